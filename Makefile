@@ -1,0 +1,23 @@
+# Two entry points: `make run` (set up, then the main job on its default) and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup run test lint bench
+
+$(BIN)/longkv: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q -c constraints.txt -e ".[dev]"
+	touch $@
+
+setup: $(BIN)/longkv
+
+run: setup
+	$(BIN)/longkv bench kvm
+
+lint: setup
+	$(BIN)/ruff check src tests
+	$(BIN)/ruff format --check src tests
+
+test: lint
+	$(BIN)/pytest -q

@@ -1,0 +1,23 @@
+"""Baseline attentions (full causal, SWA, BSWA) with the same state contract as KVM."""
+
+from longkv.attention.functional import (
+    block_sliding_window_attention,
+    full_attention,
+    sliding_window_attention,
+)
+from longkv.attention.naive import (
+    naive_block_sliding_window_attention,
+    naive_full_attention,
+    naive_sliding_window_attention,
+)
+from longkv.attention.state import WindowCache
+
+__all__ = [
+    "WindowCache",
+    "block_sliding_window_attention",
+    "full_attention",
+    "naive_block_sliding_window_attention",
+    "naive_full_attention",
+    "naive_sliding_window_attention",
+    "sliding_window_attention",
+]

@@ -1,0 +1,159 @@
+"""Baseline attentions with a carried state: full causal, sliding window, block sliding window.
+
+Each takes q (B, H, T, Dk) and k (B, Hkv, T, Dk), v (B, Hkv, T, Dv) after RoPE, and an optional
+`WindowCache` from an earlier call, and returns (out (B, H, T, Dv), cache). Calls over any
+segmentation of a sequence give the outputs of one call over all of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from longkv.attention.core import (
+    Dims,
+    causal_band_mask,
+    check_qkv,
+    group_heads,
+    head_scale,
+    softmax_attend,
+    ungroup_heads,
+)
+from longkv.attention.state import WindowCache
+
+P = TypeVar("P", int, Tensor)
+
+
+def check_cache(state: WindowCache | None, k: Tensor, v: Tensor, dims: Dims) -> WindowCache:
+    """Return `state` after checking it fits k (B, Hkv, T, Dk) and v, or an empty cache."""
+    if state is None:
+        return WindowCache.empty(k, v)
+    if not isinstance(state, WindowCache):
+        raise ValueError(
+            f"state: expected a WindowCache from an earlier call, got {type(state).__name__}"
+        )
+    want = (dims.B, dims.Hkv, dims.Dk, dims.Dv)
+    got = (state.k.shape[0], state.k.shape[1], state.k.shape[3], state.v.shape[3])
+    if got != want:
+        raise ValueError(
+            f"state: holds (B, Hkv, Dk, Dv) = {got} but this call has {want}; pass the state "
+            "returned for the same batch and heads"
+        )
+    if state.k.dtype != k.dtype or state.k.device != k.device:
+        raise ValueError(
+            f"state: dtype/device {state.k.dtype}/{state.k.device} differs from the inputs' "
+            f"{k.dtype}/{k.device}; move it with state.to(device, dtype)"
+        )
+    return state
+
+
+def full_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    state: WindowCache | None = None,
+    scale: float | None = None,
+) -> tuple[Tensor, WindowCache]:
+    """Causal softmax attention over every token so far (torch SDPA); the cache keeps them all."""
+    dims = check_qkv(q, k, v)
+    cache = check_cache(state, k, v, dims).extend(k, v)
+    n0 = cache.seen - dims.T
+    K, V = cache.k, cache.v  # (B, Hkv, n0 + T, D)
+    if dims.groups > 1:
+        K = K.repeat_interleave(dims.groups, dim=1)
+        V = V.repeat_interleave(dims.groups, dim=1)
+    if n0 == 0 or dims.T == 1:
+        out = F.scaled_dot_product_attention(q, K, V, is_causal=n0 == 0, scale=scale)
+    else:
+        pos = torch.arange(cache.seen, device=q.device)
+        mask = causal_band_mask(pos[n0:], pos)
+        out = F.scaled_dot_product_attention(q, K, V, attn_mask=mask, scale=scale)
+    return out, cache
+
+
+def banded_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    lo: Callable[[P], P],
+    block_len: int,
+    *,
+    state: WindowCache | None = None,
+    scale: float | None = None,
+) -> tuple[Tensor, WindowCache]:
+    """Causal attention where the query at position p sees keys [max(0, lo(p)), p].
+
+    lo must be non-decreasing and work on ints and integer tensors alike. Queries are processed
+    in blocks of `block_len` aligned to absolute positions; the returned cache keeps the tokens
+    [lo(seen), seen) that the next query reads.
+    """
+    dims = check_qkv(q, k, v)
+    cache = check_cache(state, k, v, dims)
+    n0 = cache.seen
+    cache.require_from(max(0, lo(n0)), "the next query")
+    cache = cache.extend(k, v)
+    n1, base = cache.seen, cache.start
+    qg = group_heads(q, dims.Hkv) * head_scale(dims, scale, None, q)  # (B, Hkv, G, T, Dk)
+    pos = torch.arange(n1 + 1, device=q.device)
+    outs = []
+    a = n0
+    while a < n1:
+        b = min(n1, (a // block_len + 1) * block_len)
+        s = max(0, lo(a))
+        mask = causal_band_mask(pos[a:b], pos[s:b], lo(pos[a:b]))
+        window = slice(s - base, b - base)
+        outs.append(
+            softmax_attend(
+                qg[:, :, :, a - n0 : b - n0], cache.k[:, :, window], cache.v[:, :, window], mask
+            )
+        )
+        a = b
+    return ungroup_heads(torch.cat(outs, dim=3)), cache.keep_from(max(0, lo(n1)))
+
+
+def sliding_window_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    window: int,
+    *,
+    state: WindowCache | None = None,
+    scale: float | None = None,
+) -> tuple[Tensor, WindowCache]:
+    """SWA: the query at p sees the `window` most recent keys [p - window + 1, p]."""
+    if not isinstance(window, int) or window < 1:
+        raise ValueError(f"window: must be an int >= 1, got {window!r}")
+    return banded_attention(
+        q, k, v, lambda p: p - window + 1, max(window, 64), state=state, scale=scale
+    )
+
+
+def block_sliding_window_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    chunk_len: int,
+    window_chunks: int,
+    *,
+    state: WindowCache | None = None,
+    scale: float | None = None,
+) -> tuple[Tensor, WindowCache]:
+    """BSWA: the query at p in chunk c = p // C sees keys [(c - N + 1) * C, p]."""
+    if not isinstance(chunk_len, int) or chunk_len < 1:
+        raise ValueError(f"chunk_len: must be an int >= 1, got {chunk_len!r}")
+    if not isinstance(window_chunks, int) or window_chunks < 1:
+        raise ValueError(f"window_chunks: must be an int >= 1, got {window_chunks!r}")
+    return banded_attention(
+        q,
+        k,
+        v,
+        lambda p: (p // chunk_len - window_chunks + 1) * chunk_len,
+        chunk_len,
+        state=state,
+        scale=scale,
+    )

@@ -1,0 +1,14 @@
+"""Key-Value Means attention: config, state, chunk-parallel fast path, naive reference."""
+
+from longkv.kvm.config import KVMConfig, desired_state_len
+from longkv.kvm.functional import kvm_attention
+from longkv.kvm.naive import kvm_attention_naive
+from longkv.kvm.state import KVMState
+
+__all__ = [
+    "KVMConfig",
+    "KVMState",
+    "desired_state_len",
+    "kvm_attention",
+    "kvm_attention_naive",
+]

@@ -1,0 +1,182 @@
+"""KVM configuration and the state budget (spec ../shared/spec/kvm.md, sections 1 and 6)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+Budget = Literal["fixed", "power_law", "saturation"]
+BUDGETS: tuple[str, ...] = ("fixed", "power_law", "saturation")
+
+
+def _require(ok: bool, field: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"KVMConfig.{field}: {message}")
+
+
+@dataclass(frozen=True)
+class KVMConfig:
+    """Hyper-parameters of one Key-Value Means layer.
+
+    chunk_len (C) and window_chunks (N) make the block sliding window of W = N*C tokens;
+    sink_len protected slots; budget chooses how many slots the state may hold
+    (see `desired_state_len`); rope_dim (P) leading channels of each head carry RoPE and are
+    zeroed before keys enter the state; use_vlens reads slot values as direction times the
+    founder's norm (else sum / count); gate_appends stores appended slots gated.
+    """
+
+    chunk_len: int = 256
+    window_chunks: int = 2
+    sink_len: int = 1
+    budget: Budget = "fixed"
+    state_min_len: int = 256
+    growth_factor: float = 16.0
+    growth_exponent: float = 0.5
+    saturation_n: int = 1024
+    max_state_chunks: int | None = 1
+    round_down: int = 1
+    rope_dim: int = 0
+    use_vlens: bool = True
+    gate_appends: bool = True
+
+    def __post_init__(self) -> None:
+        _require(
+            isinstance(self.chunk_len, int) and self.chunk_len > 0,
+            "chunk_len",
+            f"must be a positive int, got {self.chunk_len!r}; use e.g. 256",
+        )
+        _require(
+            isinstance(self.window_chunks, int) and self.window_chunks >= 1,
+            "window_chunks",
+            f"must be an int >= 1, got {self.window_chunks!r}; use e.g. 2",
+        )
+        _require(
+            isinstance(self.sink_len, int) and 0 <= self.sink_len < self.chunk_len,
+            "sink_len",
+            f"must be an int in [0, chunk_len - 1] = [0, {self.chunk_len - 1}] so that the "
+            f"first chunk leaves a non-sink slot to merge into, got {self.sink_len!r}",
+        )
+        _require(
+            self.budget in BUDGETS,
+            "budget",
+            f"must be one of {BUDGETS}, got {self.budget!r}",
+        )
+        _require(
+            isinstance(self.state_min_len, int) and self.state_min_len >= 1,
+            "state_min_len",
+            f"must be an int >= 1, got {self.state_min_len!r}",
+        )
+        _require(
+            math.isfinite(self.growth_factor) and self.growth_factor > 0,
+            "growth_factor",
+            f"must be a finite number > 0, got {self.growth_factor!r}; the paper uses 16",
+        )
+        _require(
+            0 < self.growth_exponent <= 1,
+            "growth_exponent",
+            f"must lie in (0, 1], got {self.growth_exponent!r}; 0.5 gives a sqrt budget",
+        )
+        _require(
+            isinstance(self.saturation_n, int) and self.saturation_n >= 1,
+            "saturation_n",
+            f"must be an int >= 1, got {self.saturation_n!r}; the paper uses 1024",
+        )
+        _require(
+            self.max_state_chunks is None
+            or (isinstance(self.max_state_chunks, int) and self.max_state_chunks >= 1),
+            "max_state_chunks",
+            f"must be None (no cap) or an int >= 1, got {self.max_state_chunks!r}",
+        )
+        _require(
+            isinstance(self.round_down, int) and self.round_down >= 1,
+            "round_down",
+            f"must be an int >= 1 (1 = no rounding), got {self.round_down!r}",
+        )
+        _require(
+            isinstance(self.rope_dim, int) and self.rope_dim >= 0 and self.rope_dim % 2 == 0,
+            "rope_dim",
+            f"must be an even int >= 0 (rotary channels come in pairs), got {self.rope_dim!r}",
+        )
+        _require(isinstance(self.use_vlens, bool), "use_vlens", "must be a bool")
+        _require(isinstance(self.gate_appends, bool), "gate_appends", "must be a bool")
+
+    @property
+    def window_len(self) -> int:
+        """W = window_chunks * chunk_len, the block sliding window span."""
+        return self.window_chunks * self.chunk_len
+
+    def check_head_dim(self, head_dim: int) -> None:
+        """Reject a rope_dim that leaves no non-rotary key channel (spec section 9.5)."""
+        if self.rope_dim >= head_dim:
+            raise ValueError(
+                f"KVMConfig.rope_dim: {self.rope_dim} >= key head dim {head_dim} would zero every "
+                f"state key channel and make all state keys identical; use rope_dim < {head_dim} "
+                f"(the paper rotates half: {head_dim // 2 // 2 * 2})"
+            )
+
+    @classmethod
+    def paper_fixed(cls, **overrides: object) -> KVMConfig:
+        """'KVM fixed': C=256, N=2, one sink, 256 slots (rope_dim 64 of a 128-dim head)."""
+        base: dict[str, object] = dict(
+            chunk_len=256,
+            window_chunks=2,
+            sink_len=1,
+            budget="fixed",
+            state_min_len=256,
+            max_state_chunks=1,
+            rope_dim=64,
+        )
+        return cls(**{**base, **overrides})  # type: ignore[arg-type]
+
+    @classmethod
+    def paper_sqrt(cls, **overrides: object) -> KVMConfig:
+        """'KVM sqrt': power law 16 * ctx**0.5 slots, at least 256, no cap."""
+        base: dict[str, object] = dict(
+            chunk_len=256,
+            window_chunks=2,
+            sink_len=1,
+            budget="power_law",
+            state_min_len=256,
+            growth_factor=16.0,
+            growth_exponent=0.5,
+            max_state_chunks=None,
+            rope_dim=64,
+        )
+        return cls(**{**base, **overrides})  # type: ignore[arg-type]
+
+    @classmethod
+    def paper_saturation(cls, **overrides: object) -> KVMConfig:
+        """'KVM saturation': 1024 * ctx / (1024 + ctx) slots, at least 1, no cap."""
+        base: dict[str, object] = dict(
+            chunk_len=256,
+            window_chunks=2,
+            sink_len=1,
+            budget="saturation",
+            state_min_len=1,
+            saturation_n=1024,
+            max_state_chunks=None,
+            rope_dim=64,
+        )
+        return cls(**{**base, **overrides})  # type: ignore[arg-type]
+
+
+def desired_state_len(config: KVMConfig, ctx: int, avail: int, cur: int) -> int:
+    """Slots the state should hold after an update (spec section 6).
+
+    ctx: context length the budget is a function of (W + tokens already covered);
+    avail: tokens the state will summarise after the update (an upper bound on slots);
+    cur: current slots (the state never shrinks).
+    """
+    if config.budget == "fixed":
+        t = config.state_min_len
+    elif config.budget == "power_law":
+        t = math.floor(config.growth_factor * ctx**config.growth_exponent)
+        t = max(t // config.round_down * config.round_down, config.state_min_len)
+    else:
+        t = config.saturation_n * ctx // (config.saturation_n + ctx)
+        t = max(t // config.round_down * config.round_down, config.state_min_len)
+    t = min(t, avail)
+    if config.max_state_chunks is not None:
+        t = min(t, config.chunk_len * config.max_state_chunks)
+    return max(t, cur)

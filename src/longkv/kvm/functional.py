@@ -1,0 +1,239 @@
+"""Key-Value Means attention, chunk-parallel (spec ../shared/spec/kvm.md).
+
+Queries of one chunk are computed together against [state slots ; block window]; the state is
+updated once per chunk that leaves the window, so the only Python loop runs over chunks.
+`naive.py` holds the token-by-token reference that the tests compare this against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from longkv.attention.core import (
+    Dims,
+    causal_band_mask,
+    check_optional,
+    check_qkv,
+    group_heads,
+    head_scale,
+    softmax_attend,
+    ungroup_heads,
+)
+from longkv.attention.state import WindowCache
+from longkv.kvm.config import KVMConfig, desired_state_len
+from longkv.kvm.state import KVMState, window_start
+
+LN_EPS = 1e-5
+
+
+def state_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
+    """LN_s: LayerNorm over the last (head) dim, eps 1e-5, shared by all heads."""
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps=LN_EPS)
+
+
+def prep_keys(k: Tensor, config: KVMConfig, weight: Tensor | None, bias: Tensor | None) -> Tensor:
+    """prep(k) = LN_s(Z(k)): rotary channels zeroed, then LN_s. k: (..., Dk)."""
+    if config.rope_dim:
+        k = torch.cat([torch.zeros_like(k[..., : config.rope_dim]), k[..., config.rope_dim :]], -1)
+    return state_norm(k, weight, bias)
+
+
+def founder_r(v: Tensor, config: KVMConfig) -> Tensor:
+    """Initial r of slots founded by values v (..., Dv): ||v|| in vlens mode, else count 1."""
+    return torch.linalg.vector_norm(v, dim=-1) if config.use_vlens else v.new_ones(v.shape[:-1])
+
+
+def read_state(
+    state: KVMState, weight: Tensor | None, bias: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """Just-in-time read-out: keys LN_s(s_k) (B, Hkv, S, Dk) and values (B, Hkv, S, Dv)."""
+    keys = state_norm(state.slot_k, weight, bias)
+    r = state.slot_r.unsqueeze(-1)
+    if state.config.use_vlens:
+        return keys, F.normalize(state.slot_v, dim=-1) * r
+    return keys, state.slot_v / r
+
+
+def _append(state: KVMState, k: Tensor, v: Tensor, r: Tensor) -> KVMState:
+    """The state with new slots k (B, Hkv, n, Dk), v (B, Hkv, n, Dv), r (B, Hkv, n) at the end."""
+    return replace(
+        state,
+        slot_k=torch.cat([state.slot_k, k], dim=2),
+        slot_v=torch.cat([state.slot_v, v], dim=2),
+        slot_r=torch.cat([state.slot_r, r], dim=2),
+    )
+
+
+def update_state(
+    state: KVMState,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    cov: int,
+    weight: Tensor | None,
+    bias: Tensor | None,
+) -> KVMState:
+    """Fold the C tokens [cov, cov + C) that leave the window into the slots (spec section 5).
+
+    k: (B, Hkv, C, Dk) post-RoPE keys, v: (B, Hkv, C, Dv), g: (B, Hkv, C, 1) merge gates.
+    The returned state has the same window; only the slots change.
+    """
+    config = state.config
+    C, Dk, Dv = config.chunk_len, k.shape[-1], v.shape[-1]
+    S0 = state.num_slots
+    ku = prep_keys(k, config, weight, bias)
+    kg, vg = ku * g, v * g
+    ka, va = (kg, vg) if config.gate_appends else (ku, v)
+    target = desired_state_len(config, config.window_len + cov, cov + C, S0)
+    n_append = min(max(target - S0, 0), C)
+    read_k = state_norm(state.slot_k, weight, bias)  # (B, Hkv, S0, Dk)
+
+    if n_append == C:
+        return _append(state, ka, va, founder_r(va, config))
+    merged = torch.ones_like(g)  # (B, Hkv, C, 1): 1 for tokens that merge, 0 for appended ones
+    if n_append > 0:
+        with torch.no_grad():
+            novelty = (ku @ read_k.transpose(-1, -2)).amax(dim=-1)  # (B, Hkv, C)
+            least = torch.argsort(novelty, dim=-1, stable=True)[..., :n_append]
+            picked = least.sort(dim=-1).values  # (B, Hkv, n_append), in time order
+        new_k = ka.gather(2, picked.unsqueeze(-1).expand(-1, -1, -1, Dk))
+        new_v = va.gather(2, picked.unsqueeze(-1).expand(-1, -1, -1, Dv))
+        state = _append(state, new_k, new_v, founder_r(new_v, config))
+        read_k = torch.cat([read_k, state_norm(new_k, weight, bias)], dim=2)
+        merged = merged.scatter(2, picked.unsqueeze(-1), 0.0)
+
+    with torch.no_grad():
+        logits = kg @ read_k.transpose(-1, -2)  # (B, Hkv, C, S)
+        logits[..., : config.sink_len] = float("-inf")
+        dest = logits.argmax(dim=-1)  # (B, Hkv, C)
+    idx = dest.unsqueeze(-1)
+    slot_r = state.slot_r
+    if not config.use_vlens:
+        slot_r = slot_r.scatter_add(2, dest, merged.squeeze(-1))
+    return replace(
+        state,
+        slot_k=state.slot_k.scatter_add(2, idx.expand(-1, -1, -1, Dk), kg * merged),
+        slot_v=state.slot_v.scatter_add(2, idx.expand(-1, -1, -1, Dv), vg * merged),
+        slot_r=slot_r,
+    )
+
+
+def empty_state(config: KVMConfig, k: Tensor, v: Tensor) -> KVMState:
+    """A state with no tokens, shaped for keys k (B, Hkv, T, Dk) and values v (B, Hkv, T, Dv)."""
+    B, Hkv = k.shape[:2]
+    return KVMState(
+        config=config,
+        slot_k=k.new_zeros(B, Hkv, 0, k.shape[-1]),
+        slot_v=v.new_zeros(B, Hkv, 0, v.shape[-1]),
+        slot_r=v.new_zeros(B, Hkv, 0),
+        window=WindowCache.empty(k, v, with_gate=True),
+    )
+
+
+def check_state(state: object, config: KVMConfig, dims: Dims, like: Tensor) -> KVMState:
+    """Raise a ValueError unless `state` can continue this call's sequence."""
+    if not isinstance(state, KVMState):
+        raise ValueError(
+            f"state: expected a KVMState returned by kvm_attention, got {type(state).__name__}"
+        )
+    if state.config != config:
+        raise ValueError(
+            f"state: was made with {state.config} but this call uses {config}; continue a "
+            "sequence with the config that started it"
+        )
+    want = (dims.B, dims.Hkv, dims.Dk, dims.Dv)
+    got = (*state.slot_k.shape[:2], state.slot_k.shape[3], state.slot_v.shape[3])
+    if got != want:
+        raise ValueError(
+            f"state: holds (B, Hkv, Dk, Dv) = {got} but this call has {want}; pass the state "
+            "returned for the same batch and heads"
+        )
+    if state.slot_k.dtype != like.dtype or state.slot_k.device != like.device:
+        raise ValueError(
+            f"state: dtype/device {state.slot_k.dtype}/{state.slot_k.device} differs from the "
+            f"inputs' {like.dtype}/{like.device}; move it with state.to(device, dtype)"
+        )
+    return state
+
+
+def kvm_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    config: KVMConfig,
+    *,
+    gate: Tensor | None = None,
+    state: KVMState | None = None,
+    norm_weight: Tensor | None = None,
+    norm_bias: Tensor | None = None,
+    window_temp: Tensor | None = None,
+    state_temp: Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[Tensor, KVMState]:
+    """Key-Value Means attention over T new tokens, continuing `state` (None starts a sequence).
+
+    q: (B, H, T, Dk) and k: (B, Hkv, T, Dk) after RoPE; v: (B, Hkv, T, Dv); gate: (B, Hkv, T, 1)
+    positive merge gates (None = ones); norm_weight, norm_bias: (Dk,) affine of LN_s;
+    window_temp, state_temp: (H,) per-head temperatures; scale: logit scale (1/sqrt(Dk)).
+    Returns out (B, H, T, Dv) and the state after the T tokens. Any segmentation of a sequence
+    into calls gives the outputs and final state of one call over all of it.
+    """
+    dims = check_qkv(q, k, v)
+    config.check_head_dim(dims.Dk)
+    check_optional("gate", gate, (dims.B, dims.Hkv, dims.T, 1), q)
+    check_optional("norm_weight", norm_weight, (dims.Dk,), q)
+    check_optional("norm_bias", norm_bias, (dims.Dk,), q)
+    check_optional("window_temp", window_temp, (dims.H,), q)
+    check_optional("state_temp", state_temp, (dims.H,), q)
+    if gate is None:
+        gate = torch.ones_like(k[..., :1])
+    elif bool((gate <= 0).any()):
+        raise ValueError("gate: merge gates must be > 0 (e.g. 1 + elu(x)); got a value <= 0")
+    state = empty_state(config, k, v) if state is None else check_state(state, config, dims, q)
+
+    C, N = config.chunk_len, config.window_chunks
+    n0 = state.seen
+    win = state.window.extend(k, v, gate)  # tokens [base, n1)
+    n1, base = win.seen, win.start
+    if n0 < C:  # the first chunk is copied into the state as it arrives
+        first = slice(n0 - base, min(n1, C) - base)
+        k0, v0 = prep_keys(win.k[:, :, first], config, norm_weight, norm_bias), win.v[:, :, first]
+        state = _append(state, k0, v0, founder_r(v0, config))
+    cov = max(min(n1, C), window_start(config, n0))
+
+    grouped = group_heads(q, dims.Hkv)  # (B, Hkv, G, T, Dk)
+    q_win = grouped * head_scale(dims, scale, window_temp, q)
+    q_state = grouped * head_scale(dims, scale, state_temp, q)
+    pos = torch.arange(n1, device=q.device)
+    outs = []
+    for c in range(n0 // C, (n1 - 1) // C + 1):
+        a, b = max(n0, c * C), min(n1, (c + 1) * C)  # this call's queries in chunk c
+        lo = max(0, (c - N + 1) * C)  # first window token of chunk c
+        prefix = None
+        if c >= N:
+            if cov < lo:  # the chunk [cov, cov + C) left the window at this chunk's start
+                block = slice(cov - base, cov - base + C)
+                state = update_state(
+                    state, win.k[:, :, block], win.v[:, :, block], win.g[:, :, block], cov,
+                    norm_weight, norm_bias,
+                )  # fmt: skip
+                cov = lo
+            keys, values = read_state(state, norm_weight, norm_bias)
+            prefix = (q_state[:, :, :, a - n0 : b - n0], keys, values)
+        window = slice(lo - base, b - base)
+        mask = causal_band_mask(pos[a:b], pos[lo:b])
+        outs.append(
+            softmax_attend(
+                q_win[:, :, :, a - n0 : b - n0],
+                win.k[:, :, window],
+                win.v[:, :, window],
+                mask,
+                prefix,
+            )
+        )
+    state = replace(state, window=win.keep_from(window_start(config, n1)))
+    return ungroup_heads(torch.cat(outs, dim=3)), state
