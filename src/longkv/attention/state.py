@@ -51,14 +51,16 @@ class WindowCache:
         )
 
     def extend(self, k: Tensor, v: Tensor, g: Tensor | None = None) -> WindowCache:
-        """This cache followed by T new tokens: k (B, Hkv, T, Dk), v (B, Hkv, T, Dv), g (B, Hkv, T, 1)."""
+        """This cache followed by T new tokens.
+
+        k: (B, Hkv, T, Dk), v: (B, Hkv, T, Dv), g: (B, Hkv, T, 1) or None.
+        """
         if self.seen == self.k.shape[2] == 0:
             return WindowCache(k=k, v=v, seen=k.shape[2], g=g)
-        cat = torch.cat
-        g_all = None if g is None or self.g is None else cat([self.g, g], dim=2)
+        g_all = None if g is None or self.g is None else torch.cat([self.g, g], dim=2)
         return WindowCache(
-            k=cat([self.k, k], dim=2),
-            v=cat([self.v, v], dim=2),
+            k=torch.cat([self.k, k], dim=2),
+            v=torch.cat([self.v, v], dim=2),
             seen=self.seen + k.shape[2],
             g=g_all,
         )
