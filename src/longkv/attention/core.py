@@ -80,11 +80,10 @@ def check_optional(
     return t
 
 
-def head_scale(dims: Dims, scale: float | None, temp: Tensor | None, like: Tensor) -> Tensor:
-    """Per-query-head logit scale `scale * temp` shaped (1, Hkv, G, 1, 1) for grouped queries."""
-    base = dims.Dk**-0.5 if scale is None else scale
-    t = like.new_ones(dims.H) if temp is None else temp
-    return (t * base).view(1, dims.Hkv, dims.groups, 1, 1)
+def grouped_queries(q: Tensor, dims: Dims, scale: float | None) -> Tensor:
+    """q (B, H, T, Dk) times the logit scale (default 1/sqrt(Dk)), as (B, Hkv, G, T, Dk)."""
+    scale = dims.Dk**-0.5 if scale is None else scale
+    return group_heads(q, dims.Hkv) * scale
 
 
 def group_heads(q: Tensor, Hkv: int) -> Tensor:
@@ -107,30 +106,28 @@ def causal_band_mask(q_pos: Tensor, k_pos: Tensor, lo: Tensor | None = None) -> 
     return mask
 
 
-def softmax_attend(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    mask: Tensor,
-    prefix: tuple[Tensor, Tensor, Tensor] | None = None,
-) -> Tensor:
-    """One softmax over optional prefix keys (seen by every query) and masked keys.
+def causal_mask(n: int, device: torch.device) -> Tensor:
+    """(n, n) bool lower triangle: n queries against the same n keys."""
+    return torch.ones(n, n, dtype=torch.bool, device=device).tril()
 
-    q: (B, Hkv, G, Lq, Dk), already multiplied by its logit scale; k: (B, Hkv, Lk, Dk);
-    v: (B, Hkv, Lk, Dv); mask: (Lq, Lk) bool, True = visible, at least one per row;
-    prefix: (q_p (B, Hkv, G, Lq, Dk) scaled queries, k_p (B, Hkv, S, Dk), v_p (B, Hkv, S, Dv)).
-    Returns (B, Hkv, G, Lq, Dv).
+
+def attention_logits(q: Tensor, k: Tensor) -> Tensor:
+    """Logits of grouped, pre-scaled queries q (B, Hkv, G, Lq, Dk) against k (B, Hkv, Lk, Dk).
+
+    Returns (B, Hkv, G, Lq, Lk); the G query heads of a group share their key head.
     """
     B, Hkv, G, Lq, Dk = q.shape
-    logits = (q.reshape(B, Hkv, G * Lq, Dk) @ k.transpose(-1, -2)).view(B, Hkv, G, Lq, -1)
-    logits = logits.masked_fill(~mask, float("-inf"))
-    if prefix is None:
-        probs = torch.softmax(logits, dim=-1)
-        return (probs.view(B, Hkv, G * Lq, -1) @ v).view(B, Hkv, G, Lq, -1)
-    q_p, k_p, v_p = prefix
-    S = k_p.shape[2]
-    logits_p = (q_p.reshape(B, Hkv, G * Lq, Dk) @ k_p.transpose(-1, -2)).view(B, Hkv, G, Lq, S)
-    probs = torch.softmax(torch.cat([logits_p, logits], dim=-1), dim=-1)
-    probs = probs.view(B, Hkv, G * Lq, -1)
-    out = probs[..., :S] @ v_p + probs[..., S:] @ v
-    return out.view(B, Hkv, G, Lq, -1)
+    return (q.reshape(B, Hkv, G * Lq, Dk) @ k.transpose(-1, -2)).view(B, Hkv, G, Lq, -1)
+
+
+def attend(logits: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
+    """Softmax of logits (B, Hkv, G, Lq, Lk) over keys, then the average of v (B, Hkv, Lk, Dv).
+
+    mask: (Lq, Lm) bool, True = visible, for the last Lm keys (earlier keys are visible to
+    every query); every query must see at least one key. Returns (B, Hkv, G, Lq, Dv).
+    """
+    B, Hkv, G, Lq, Lk = logits.shape
+    if mask is not None:
+        logits[..., Lk - mask.shape[1] :].masked_fill_(~mask, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return (probs.view(B, Hkv, G * Lq, Lk) @ v).view(B, Hkv, G, Lq, -1)

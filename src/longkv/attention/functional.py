@@ -16,11 +16,12 @@ from torch import Tensor
 
 from longkv.attention.core import (
     Dims,
+    attend,
+    attention_logits,
     causal_band_mask,
+    causal_mask,
     check_qkv,
-    group_heads,
-    head_scale,
-    softmax_attend,
+    grouped_queries,
     ungroup_heads,
 )
 from longkv.attention.state import WindowCache
@@ -98,20 +99,21 @@ def banded_attention(
     cache.require_from(max(0, lo(n0)), "the next query")
     cache = cache.extend(k, v)
     n1, base = cache.seen, cache.start
-    qg = group_heads(q, dims.Hkv) * head_scale(dims, scale, None, q)  # (B, Hkv, G, T, Dk)
-    pos = torch.arange(n1 + 1, device=q.device)
+    qg = grouped_queries(q, dims, scale)  # (B, Hkv, G, T, Dk)
+    pos = torch.arange(n1, device=q.device)
+    tri = causal_mask(min(block_len, dims.T), q.device)
     outs = []
     a = n0
     while a < n1:
         b = min(n1, (a // block_len + 1) * block_len)
         s = max(0, lo(a))
-        mask = causal_band_mask(pos[a:b], pos[s:b], lo(pos[a:b]))
         window = slice(s - base, b - base)
-        outs.append(
-            softmax_attend(
-                qg[:, :, :, a - n0 : b - n0], cache.k[:, :, window], cache.v[:, :, window], mask
-            )
-        )
+        logits = attention_logits(qg[:, :, :, a - n0 : b - n0], cache.k[:, :, window])
+        if lo(b - 1) <= s:  # keys before the block are seen by all its queries
+            mask = tri[: b - a, : b - a]
+        else:
+            mask = causal_band_mask(pos[a:b], pos[s:b], lo(pos[a:b]))
+        outs.append(attend(logits, cache.v[:, :, window], mask))
         a = b
     return ungroup_heads(torch.cat(outs, dim=3)), cache.keep_from(max(0, lo(n1)))
 

@@ -15,12 +15,12 @@ from torch import Tensor
 
 from longkv.attention.core import (
     Dims,
-    causal_band_mask,
+    attend,
+    attention_logits,
+    causal_mask,
     check_optional,
     check_qkv,
-    group_heads,
-    head_scale,
-    softmax_attend,
+    grouped_queries,
     ungroup_heads,
 )
 from longkv.attention.state import WindowCache
@@ -38,7 +38,9 @@ def state_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
 def prep_keys(k: Tensor, config: KVMConfig, weight: Tensor | None, bias: Tensor | None) -> Tensor:
     """prep(k) = LN_s(Z(k)): rotary channels zeroed, then LN_s. k: (..., Dk)."""
     if config.rope_dim:
-        k = torch.cat([torch.zeros_like(k[..., : config.rope_dim]), k[..., config.rope_dim :]], -1)
+        keep = torch.ones(k.shape[-1], dtype=k.dtype, device=k.device)
+        keep[: config.rope_dim] = 0
+        k = k * keep
     return state_norm(k, weight, bias)
 
 
@@ -52,10 +54,10 @@ def read_state(
 ) -> tuple[Tensor, Tensor]:
     """Just-in-time read-out: keys LN_s(s_k) (B, Hkv, S, Dk) and values (B, Hkv, S, Dv)."""
     keys = state_norm(state.slot_k, weight, bias)
-    r = state.slot_r.unsqueeze(-1)
-    if state.config.use_vlens:
-        return keys, F.normalize(state.slot_v, dim=-1) * r
-    return keys, state.slot_v / r
+    if state.config.use_vlens:  # normalize(s_v) * r
+        norm = torch.linalg.vector_norm(state.slot_v, dim=-1).clamp_min(1e-12)
+        return keys, state.slot_v * (state.slot_r / norm).unsqueeze(-1)
+    return keys, state.slot_v / state.slot_r.unsqueeze(-1)
 
 
 def _append(state: KVMState, k: Tensor, v: Tensor, r: Tensor) -> KVMState:
@@ -76,11 +78,13 @@ def update_state(
     cov: int,
     weight: Tensor | None,
     bias: Tensor | None,
+    read_k: Tensor | None = None,
 ) -> KVMState:
     """Fold the C tokens [cov, cov + C) that leave the window into the slots (spec section 5).
 
-    k: (B, Hkv, C, Dk) post-RoPE keys, v: (B, Hkv, C, Dv), g: (B, Hkv, C, 1) merge gates.
-    The returned state has the same window; only the slots change.
+    k: (B, Hkv, C, Dk) post-RoPE keys, v: (B, Hkv, C, Dv), g: (B, Hkv, C, 1) merge gates;
+    read_k: LN_s(slot_k) (B, Hkv, S, Dk) if already computed. The returned state has the same
+    window; only the slots change.
     """
     config = state.config
     C, Dk, Dv = config.chunk_len, k.shape[-1], v.shape[-1]
@@ -90,11 +94,11 @@ def update_state(
     ka, va = (kg, vg) if config.gate_appends else (ku, v)
     target = desired_state_len(config, config.window_len + cov, cov + C, S0)
     n_append = min(max(target - S0, 0), C)
-    read_k = state_norm(state.slot_k, weight, bias)  # (B, Hkv, S0, Dk)
-
     if n_append == C:
         return _append(state, ka, va, founder_r(va, config))
-    merged = torch.ones_like(g)  # (B, Hkv, C, 1): 1 for tokens that merge, 0 for appended ones
+    if read_k is None:
+        read_k = state_norm(state.slot_k, weight, bias)  # (B, Hkv, S0, Dk)
+    merged = None  # (B, Hkv, C, 1): 1 for tokens that merge, 0 for appended ones; None = all 1
     if n_append > 0:
         with torch.no_grad():
             novelty = (ku @ read_k.transpose(-1, -2)).amax(dim=-1)  # (B, Hkv, C)
@@ -104,20 +108,22 @@ def update_state(
         new_v = va.gather(2, picked.unsqueeze(-1).expand(-1, -1, -1, Dv))
         state = _append(state, new_k, new_v, founder_r(new_v, config))
         read_k = torch.cat([read_k, state_norm(new_k, weight, bias)], dim=2)
-        merged = merged.scatter(2, picked.unsqueeze(-1), 0.0)
+        merged = torch.ones_like(g).scatter(2, picked.unsqueeze(-1), 0.0)
+        kg, vg = kg * merged, vg * merged
 
     with torch.no_grad():
         logits = kg @ read_k.transpose(-1, -2)  # (B, Hkv, C, S)
         logits[..., : config.sink_len] = float("-inf")
-        dest = logits.argmax(dim=-1)  # (B, Hkv, C)
+        dest = logits.max(dim=-1).indices  # (B, Hkv, C), first maximum on ties
     idx = dest.unsqueeze(-1)
     slot_r = state.slot_r
     if not config.use_vlens:
-        slot_r = slot_r.scatter_add(2, dest, merged.squeeze(-1))
+        counts = g.new_ones(dest.shape) if merged is None else merged.squeeze(-1)
+        slot_r = slot_r.scatter_add(2, dest, counts)
     return replace(
         state,
-        slot_k=state.slot_k.scatter_add(2, idx.expand(-1, -1, -1, Dk), kg * merged),
-        slot_v=state.slot_v.scatter_add(2, idx.expand(-1, -1, -1, Dv), vg * merged),
+        slot_k=state.slot_k.scatter_add(2, idx.expand(-1, -1, -1, Dk), kg),
+        slot_v=state.slot_v.scatter_add(2, idx.expand(-1, -1, -1, Dv), vg),
         slot_r=slot_r,
     )
 
@@ -205,35 +211,43 @@ def kvm_attention(
         state = _append(state, k0, v0, founder_r(v0, config))
     cov = max(min(n1, C), window_start(config, n0))
 
-    grouped = group_heads(q, dims.Hkv)  # (B, Hkv, G, T, Dk)
-    q_win = grouped * head_scale(dims, scale, window_temp, q)
-    q_state = grouped * head_scale(dims, scale, state_temp, q)
-    pos = torch.arange(n1, device=q.device)
+    qg = grouped_queries(q, dims, scale)  # (B, Hkv, G, T, Dk)
+    group = (1, dims.Hkv, dims.groups, 1, 1)
+    tau_w = None if window_temp is None else window_temp.view(group)
+    tau_s = None if state_temp is None else state_temp.view(group)
     outs = []
+    state_k = None  # LN_s(slot_k) of the slots as they stand, once computed
+    tri = causal_mask(min(C, dims.T), q.device)
     for c in range(n0 // C, (n1 - 1) // C + 1):
         a, b = max(n0, c * C), min(n1, (c + 1) * C)  # this call's queries in chunk c
         lo = max(0, (c - N + 1) * C)  # first window token of chunk c
-        prefix = None
+        window = slice(lo - base, b - base)
+        keys, values = win.k[:, :, window], win.v[:, :, window]
+        S = 0
         if c >= N:
             if cov < lo:  # the chunk [cov, cov + C) left the window at this chunk's start
                 block = slice(cov - base, cov - base + C)
                 state = update_state(
                     state, win.k[:, :, block], win.v[:, :, block], win.g[:, :, block], cov,
-                    norm_weight, norm_bias,
+                    norm_weight, norm_bias, state_k,
                 )  # fmt: skip
                 cov = lo
-            keys, values = read_state(state, norm_weight, norm_bias)
-            prefix = (q_state[:, :, :, a - n0 : b - n0], keys, values)
-        window = slice(lo - base, b - base)
-        mask = causal_band_mask(pos[a:b], pos[lo:b])
-        outs.append(
-            softmax_attend(
-                q_win[:, :, :, a - n0 : b - n0],
-                win.k[:, :, window],
-                win.v[:, :, window],
-                mask,
-                prefix,
-            )
-        )
+            state_k, state_v = read_state(state, norm_weight, norm_bias)
+            S = state.num_slots
+            keys, values = torch.cat([state_k, keys], dim=2), torch.cat([state_v, values], dim=2)
+        logits = attention_logits(qg[:, :, :, a - n0 : b - n0], keys)  # (B, Hkv, G, Lq, S + Lw)
+        if tau_w is not None or (tau_s is not None and S):
+            logits = logits * _key_temperature(tau_s, tau_w, S, b - lo, q)
+        outs.append(attend(logits, values, tri[: b - a, : b - a]))
     state = replace(state, window=win.keep_from(window_start(config, n1)))
     return ungroup_heads(torch.cat(outs, dim=3)), state
+
+
+def _key_temperature(
+    tau_s: Tensor | None, tau_w: Tensor | None, S: int, Lw: int, like: Tensor
+) -> Tensor:
+    """Per-key logit multiplier (1, Hkv, G, 1, S + Lw): tau_s on S state, tau_w on Lw window keys."""
+    ones = like.new_ones(1, 1, 1, 1, 1)
+    s = (ones if tau_s is None else tau_s).expand(-1, -1, -1, -1, S)
+    w = (ones if tau_w is None else tau_w).expand(-1, -1, -1, -1, Lw)
+    return torch.cat([s, w], dim=-1)
