@@ -246,7 +246,7 @@ def kvm_attention(
 def _key_temperature(
     tau_s: Tensor | None, tau_w: Tensor | None, S: int, Lw: int, like: Tensor
 ) -> Tensor:
-    """Per-key logit multiplier (1, Hkv, G, 1, S + Lw): tau_s on S state, tau_w on Lw window keys."""
+    """Per-key logit multiplier (1, Hkv, G, 1, S + Lw): tau_s on state keys, tau_w on window."""
     ones = like.new_ones(1, 1, 1, 1, 1)
     s = (ones if tau_s is None else tau_s).expand(-1, -1, -1, -1, S)
     w = (ones if tau_w is None else tau_w).expand(-1, -1, -1, -1, Lw)
