@@ -1,0 +1,90 @@
+"""Shared helpers for the tests: random attention inputs in float64."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from torch import Tensor
+
+from longkv.kvm import KVMState
+
+TOL = 1e-10
+
+
+@dataclass
+class Inputs:
+    """q (B, H, T, Dk), k (B, Hkv, T, Dk), v (B, Hkv, T, Dv) and the optional KVM arguments."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    extras: dict[str, Tensor] = field(default_factory=dict)
+
+    def span(self, a: int, b: int) -> tuple[Tensor, Tensor, Tensor, dict[str, Tensor]]:
+        """Tokens [a, b): q, k, v and the extras with a token axis (the gate) sliced."""
+        extras = {n: (t[:, :, a:b] if n == "gate" else t) for n, t in self.extras.items()}
+        return self.q[:, :, a:b], self.k[:, :, a:b], self.v[:, :, a:b], extras
+
+
+def make_inputs(
+    *,
+    B: int = 2,
+    H: int = 4,
+    Hkv: int = 2,
+    T: int = 40,
+    Dk: int = 8,
+    Dv: int = 6,
+    gate: bool = True,
+    norm: bool = True,
+    temps: bool = True,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float64,
+) -> Inputs:
+    """Random inputs; gates in (0.5, 1.5), LN affine near identity, temperatures near 1."""
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int) -> Tensor:
+        return torch.randn(*shape, generator=g, dtype=dtype)
+
+    def rand(*shape: int) -> Tensor:
+        return torch.rand(*shape, generator=g, dtype=dtype)
+
+    extras: dict[str, Tensor] = {}
+    q, k, v = randn(B, H, T, Dk), randn(B, Hkv, T, Dk), randn(B, Hkv, T, Dv)
+    if gate:
+        extras["gate"] = 0.5 + rand(B, Hkv, T, 1)
+    if norm:
+        extras["norm_weight"] = 1 + 0.2 * randn(Dk)
+        extras["norm_bias"] = 0.2 * randn(Dk)
+    if temps:
+        extras["window_temp"] = 0.7 + 0.6 * rand(H)
+        extras["state_temp"] = 0.7 + 0.6 * rand(H)
+    return Inputs(q, k, v, extras)
+
+
+def assert_close(a: Tensor, b: Tensor, tol: float = TOL) -> None:
+    """Same shape and max abs difference <= tol."""
+    assert a.shape == b.shape, (a.shape, b.shape)
+    err = (a - b).abs().max().item() if a.numel() else 0.0
+    assert err <= tol, f"max abs difference {err:.3g} > {tol:.0e}"
+
+
+def assert_same_state(a: KVMState, b: KVMState, tol: float = TOL) -> None:
+    """Two KVM states hold the same slots, window and token count."""
+    assert a.config == b.config
+    assert a.seen == b.seen
+    assert a.num_slots == b.num_slots
+    assert a.window.start == b.window.start
+    for name in ("slot_k", "slot_v", "slot_r"):
+        assert_close(getattr(a, name), getattr(b, name), tol)
+    assert_close(a.window.k, b.window.k, tol)
+    assert_close(a.window.v, b.window.v, tol)
+    assert a.window.g is not None and b.window.g is not None
+    assert_close(a.window.g, b.window.g, tol)
+
+
+@pytest.fixture(autouse=True)
+def _deterministic() -> None:
+    torch.manual_seed(0)
