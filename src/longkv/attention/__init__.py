@@ -5,6 +5,13 @@ from longkv.attention.functional import (
     full_attention,
     sliding_window_attention,
 )
+from longkv.attention.layers import (
+    AttentionConfig,
+    AttentionLayer,
+    BlockSlidingWindowAttention,
+    FullAttention,
+    SlidingWindowAttention,
+)
 from longkv.attention.naive import (
     naive_block_sliding_window_attention,
     naive_full_attention,
@@ -13,6 +20,11 @@ from longkv.attention.naive import (
 from longkv.attention.state import WindowCache
 
 __all__ = [
+    "AttentionConfig",
+    "AttentionLayer",
+    "BlockSlidingWindowAttention",
+    "FullAttention",
+    "SlidingWindowAttention",
     "WindowCache",
     "block_sliding_window_attention",
     "full_attention",

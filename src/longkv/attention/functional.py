@@ -118,6 +118,19 @@ def banded_attention(
     return ungroup_heads(torch.cat(outs, dim=3)), cache.keep_from(max(0, lo(n1)))
 
 
+def check_window(window: int) -> None:
+    """Raise unless window is an int >= 1."""
+    if not isinstance(window, int) or window < 1:
+        raise ValueError(f"window: must be an int >= 1, got {window!r}")
+
+
+def check_blocks(chunk_len: int, window_chunks: int) -> None:
+    """Raise unless chunk_len and window_chunks are ints >= 1."""
+    for name, value in (("chunk_len", chunk_len), ("window_chunks", window_chunks)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: must be an int >= 1, got {value!r}")
+
+
 def sliding_window_attention(
     q: Tensor,
     k: Tensor,
@@ -128,8 +141,7 @@ def sliding_window_attention(
     scale: float | None = None,
 ) -> tuple[Tensor, WindowCache]:
     """SWA: the query at p sees the `window` most recent keys [p - window + 1, p]."""
-    if not isinstance(window, int) or window < 1:
-        raise ValueError(f"window: must be an int >= 1, got {window!r}")
+    check_window(window)
     return banded_attention(
         q, k, v, lambda p: p - window + 1, max(window, 64), state=state, scale=scale
     )
@@ -146,10 +158,7 @@ def block_sliding_window_attention(
     scale: float | None = None,
 ) -> tuple[Tensor, WindowCache]:
     """BSWA: the query at p in chunk c = p // C sees keys [(c - N + 1) * C, p]."""
-    if not isinstance(chunk_len, int) or chunk_len < 1:
-        raise ValueError(f"chunk_len: must be an int >= 1, got {chunk_len!r}")
-    if not isinstance(window_chunks, int) or window_chunks < 1:
-        raise ValueError(f"window_chunks: must be an int >= 1, got {window_chunks!r}")
+    check_blocks(chunk_len, window_chunks)
     return banded_attention(
         q,
         k,

@@ -2,10 +2,13 @@
 
 from longkv.kvm.config import KVMConfig, desired_state_len
 from longkv.kvm.functional import kvm_attention
+from longkv.kvm.layer import ABLATIONS, KVMAttention
 from longkv.kvm.naive import kvm_attention_naive
 from longkv.kvm.state import KVMState
 
 __all__ = [
+    "ABLATIONS",
+    "KVMAttention",
     "KVMConfig",
     "KVMState",
     "desired_state_len",

@@ -65,10 +65,10 @@ def kvm_attention_naive(
         n_app = min(max(desired_state_len(config, W + cov, cov + C, S0) - S0, 0), C)
         read = [ln(x) for x in sk]
         # appended[b][h]: the tokens of row (b, h) that become new slots, in time order
-        novelty = {t: torch.stack([(ku[t] * r).sum(-1) for r in read]).amax(0) for t in ts}
+        novelty = {t: torch.stack([(ku[t] * r).sum(-1) for r in read]).amax(0).detach() for t in ts}
         appended = [
             [
-                sorted(sorted(ts, key=lambda t, b=b, h=h: (float(novelty[t][b, h]), t))[:n_app])
+                sorted(sorted(ts, key=lambda t, b=b, h=h: (novelty[t][b, h].item(), t))[:n_app])
                 for h in range(Hkv)
             ]
             for b in range(B)

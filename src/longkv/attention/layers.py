@@ -1,0 +1,166 @@
+"""Attention layers: projections, qk LayerNorm and partial RoPE around a functional core.
+
+`AttentionLayer` holds what every layer shares; subclasses say how queries mix with keys and
+values (`mix`). Every layer maps x (B, T, d_model) and an optional state to (y, state), so a
+sequence can be fed in any segmentation, with positions continuing from `state.seen`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from longkv.attention.functional import (
+    block_sliding_window_attention,
+    check_blocks,
+    check_window,
+    full_attention,
+    sliding_window_attention,
+)
+from longkv.attention.rope import apply_rope
+from longkv.attention.state import WindowCache
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """The shell of an attention layer.
+
+    n_kv_heads None = n_heads (no grouping); head_dim None = d_model // n_heads;
+    rope_dim None = the whole head (KV-Means layers take it from their KVMConfig instead).
+    """
+
+    d_model: int
+    n_heads: int
+    n_kv_heads: int | None = None
+    head_dim: int | None = None
+    rope_dim: int | None = None
+    rope_base: float = 10000.0
+    qk_norm: bool = True
+    bias: bool = False
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, field: str, message: str) -> None:
+            if not ok:
+                raise ValueError(f"AttentionConfig.{field}: {message}")
+
+        need(self.d_model >= 1, "d_model", f"must be >= 1, got {self.d_model}")
+        need(self.n_heads >= 1, "n_heads", f"must be >= 1, got {self.n_heads}")
+        need(
+            self.kv_heads >= 1 and self.n_heads % self.kv_heads == 0,
+            "n_kv_heads",
+            f"must divide n_heads = {self.n_heads}, got {self.n_kv_heads}",
+        )
+        need(
+            self.head_dim is not None or self.d_model % self.n_heads == 0,
+            "head_dim",
+            f"is None but n_heads = {self.n_heads} does not divide d_model = {self.d_model}; "
+            "set head_dim explicitly",
+        )
+        need(self.dim >= 1, "head_dim", f"must be >= 1, got {self.head_dim}")
+        need(
+            self.rotary == 0 or (0 < self.rotary <= self.dim and self.rotary % 2 == 0),
+            "rope_dim",
+            f"must be an even number in [0, head_dim = {self.dim}], got {self.rope_dim}",
+        )
+        need(self.rope_base > 0, "rope_base", f"must be > 0, got {self.rope_base}")
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads."""
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def dim(self) -> int:
+        """Per-head dimension of queries, keys and values."""
+        return self.d_model // self.n_heads if self.head_dim is None else self.head_dim
+
+    @property
+    def rotary(self) -> int:
+        """Channels per head that carry RoPE."""
+        return self.dim if self.rope_dim is None else self.rope_dim
+
+
+class AttentionLayer(nn.Module):
+    """Projections, optional qk LayerNorm, partial RoPE and output projection."""
+
+    def __init__(self, config: AttentionConfig) -> None:
+        super().__init__()
+        self.config = config
+        H, Hkv, D = config.n_heads, config.kv_heads, config.dim
+        self.q_proj = nn.Linear(config.d_model, H * D, bias=config.bias)
+        self.k_proj = nn.Linear(config.d_model, Hkv * D, bias=config.bias)
+        self.v_proj = nn.Linear(config.d_model, Hkv * D, bias=config.bias)
+        self.o_proj = nn.Linear(H * D, config.d_model, bias=config.bias)
+        self.q_norm = nn.LayerNorm(D) if config.qk_norm else nn.Identity()
+        self.k_norm = nn.LayerNorm(D) if config.qk_norm else nn.Identity()
+
+    def project(self, x: Tensor, start: int) -> tuple[Tensor, Tensor, Tensor]:
+        """x (B, T, d_model) at positions start.. -> q (B, H, T, D), k, v (B, Hkv, T, D)."""
+        c = self.config
+        B, T, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, T, c.n_heads, c.dim).transpose(1, 2))
+        k = self.k_norm(self.k_proj(x).view(B, T, c.kv_heads, c.dim).transpose(1, 2))
+        v = self.v_proj(x).view(B, T, c.kv_heads, c.dim).transpose(1, 2)
+        pos = torch.arange(start, start + T, device=x.device)
+        return (
+            apply_rope(q, pos, c.rotary, c.rope_base),
+            apply_rope(k, pos, c.rotary, c.rope_base),
+            v,
+        )
+
+    def mix(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, state: Any) -> tuple[Tensor, Any]:
+        """The attention proper: (out (B, H, T, D), state)."""
+        raise NotImplementedError
+
+    def forward(self, x: Tensor, state: Any = None) -> tuple[Tensor, Any]:
+        """x (B, T, d_model), state from the previous call or None -> (y (B, T, d_model), state)."""
+        if x.dim() != 3 or x.shape[-1] != self.config.d_model:
+            raise ValueError(
+                f"x: expected (batch, tokens, d_model={self.config.d_model}), got {tuple(x.shape)}"
+            )
+        q, k, v = self.project(x, 0 if state is None else state.seen)
+        out, state = self.mix(q, k, v, x, state)
+        B, T, _ = x.shape
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), state
+
+
+class FullAttention(AttentionLayer):
+    """Causal softmax attention over every earlier token (the cache grows with the sequence)."""
+
+    def mix(
+        self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, state: WindowCache | None
+    ) -> tuple[Tensor, WindowCache]:
+        return full_attention(q, k, v, state=state)
+
+
+class SlidingWindowAttention(AttentionLayer):
+    """SWA: each query sees its `window` most recent tokens."""
+
+    def __init__(self, config: AttentionConfig, window: int) -> None:
+        super().__init__(config)
+        check_window(window)
+        self.window = window
+
+    def mix(
+        self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, state: WindowCache | None
+    ) -> tuple[Tensor, WindowCache]:
+        return sliding_window_attention(q, k, v, self.window, state=state)
+
+
+class BlockSlidingWindowAttention(AttentionLayer):
+    """BSWA: a query in chunk c sees chunks c - N + 1 .. c (up to itself)."""
+
+    def __init__(self, config: AttentionConfig, chunk_len: int, window_chunks: int) -> None:
+        super().__init__(config)
+        check_blocks(chunk_len, window_chunks)
+        self.chunk_len, self.window_chunks = chunk_len, window_chunks
+
+    def mix(
+        self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, state: WindowCache | None
+    ) -> tuple[Tensor, WindowCache]:
+        return block_sliding_window_attention(
+            q, k, v, self.chunk_len, self.window_chunks, state=state
+        )

@@ -1,0 +1,29 @@
+"""Rotary position embedding on the leading channels of each head (partial RoPE)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def rope_angles(positions: Tensor, rope_dim: int, base: float = 10000.0) -> tuple[Tensor, Tensor]:
+    """cos and sin (T, rope_dim) in float64 for integer positions (T,), rotate-half layout."""
+    f64 = torch.float64
+    inv_freq = base ** -(
+        torch.arange(0, rope_dim, 2, dtype=f64, device=positions.device) / rope_dim
+    )
+    angles = positions.to(f64)[:, None] * inv_freq[None, :]  # (T, rope_dim / 2)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, positions: Tensor, rope_dim: int, base: float = 10000.0) -> Tensor:
+    """Rotate the first rope_dim channels of x (B, H, T, D) by their absolute positions (T,)."""
+    if rope_dim == 0:
+        return x
+    cos, sin = rope_angles(positions, rope_dim, base)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    rot, rest = x[..., :rope_dim], x[..., rope_dim:]
+    half = rope_dim // 2
+    rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+    return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
