@@ -136,15 +136,15 @@ def test_gradients_reach_every_parameter() -> None:
 
 
 def test_layer_config_errors() -> None:
-    with pytest.raises(ValueError, match="AttentionConfig.n_kv_heads: must divide"):
+    with pytest.raises(ValueError, match=r"AttentionConfig\.n_kv_heads: must divide"):
         AttentionConfig(d_model=16, n_heads=4, n_kv_heads=3)
-    with pytest.raises(ValueError, match="AttentionConfig.head_dim: is None"):
+    with pytest.raises(ValueError, match=r"AttentionConfig\.head_dim: is None"):
         AttentionConfig(d_model=10, n_heads=4)
-    with pytest.raises(ValueError, match="AttentionConfig.rope_dim: must be an even"):
+    with pytest.raises(ValueError, match=r"AttentionConfig\.rope_dim: must be an even"):
         AttentionConfig(d_model=16, n_heads=4, rope_dim=5)
-    with pytest.raises(ValueError, match="AttentionConfig.rope_dim: 2 differs"):
+    with pytest.raises(ValueError, match=r"AttentionConfig\.rope_dim: 2 differs"):
         KVMAttention(AttentionConfig(d_model=16, n_heads=4, rope_dim=2), KVM)
-    with pytest.raises(ValueError, match="KVMConfig.rope_dim: 8 >= key head dim 8"):
+    with pytest.raises(ValueError, match=r"KVMConfig\.rope_dim: 8 >= key head dim 8"):
         KVMAttention(SHELL, KVMConfig(chunk_len=4, rope_dim=8))
     with pytest.raises(ValueError, match="ablations: unknown"):
         KVMAttention.ablated(SHELL, KVM, "no_state")
