@@ -1,0 +1,301 @@
+"""`longkv bench kvm`: prefill and decode cost of KVM against BSWA and full attention.
+
+Every method runs on the same random q, k, v in one process, so the printed ratios compare
+numbers measured side by side. Times are medians over repeats after one warm-up call; decode
+time is the mean over `decode_tokens` single-token calls after a prefill of T tokens (one
+chunk's worth by default, so KVM's once-per-chunk state update is included at its real rate).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from tqdm import tqdm
+
+from longkv.attention import block_sliding_window_attention, full_attention
+from longkv.bench.memory import peak_memory
+from longkv.kvm import KVMConfig, kvm_attention
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+METHODS = ("kvm_fixed", "kvm_sqrt", "kvm_saturation", "bswa", "full")
+Step = Callable[[Tensor, Tensor, Tensor, Any], tuple[Tensor, Any]]
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """What `longkv bench kvm` measures (defaults: issue 2's protocol)."""
+
+    lengths: tuple[int, ...] = (2048, 8192, 32768)
+    batch: int = 1
+    heads: int = 4
+    head_dim: int = 64
+    chunk_len: int = 256
+    window_chunks: int = 2
+    dtype: str = "fp32"
+    device: str = "cpu"
+    repeats: int = 3
+    decode_tokens: int | None = None  # None = chunk_len
+    methods: tuple[str, ...] = METHODS
+    seed: int = 0
+    out_dir: str = "results"
+    name: str = "bench_kvm"
+
+    def __post_init__(self) -> None:
+        unknown = set(self.methods) - set(METHODS)
+        if unknown:
+            raise ValueError(f"methods: unknown {sorted(unknown)}; choose from {sorted(METHODS)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if min(self.lengths) < 1 or self.repeats < 1 or self.head_dim < 4:
+            raise ValueError("lengths and repeats must be >= 1 and head_dim >= 4")
+
+    @property
+    def n_decode(self) -> int:
+        """Single-token decode calls timed at each context length."""
+        return self.chunk_len if self.decode_tokens is None else self.decode_tokens
+
+
+def kvm_step(config: KVMConfig) -> Step:
+    return lambda q, k, v, state: kvm_attention(q, k, v, config, state=state)
+
+
+def method_steps(s: BenchSettings) -> dict[str, Step]:
+    """One call of each method: (q, k, v, state) -> (out, state)."""
+    blocks = dict(chunk_len=s.chunk_len, window_chunks=s.window_chunks, rope_dim=s.head_dim // 2)
+    return {
+        "kvm_fixed": kvm_step(KVMConfig.paper_fixed(**blocks)),
+        "kvm_sqrt": kvm_step(KVMConfig.paper_sqrt(**blocks)),
+        "kvm_saturation": kvm_step(KVMConfig.paper_saturation(**blocks)),
+        "bswa": lambda q, k, v, state: block_sliding_window_attention(
+            q, k, v, s.chunk_len, s.window_chunks, state=state
+        ),
+        "full": lambda q, k, v, state: full_attention(q, k, v, state=state),
+    }
+
+
+@dataclass
+class Measurement:
+    """One method at one context length."""
+
+    method: str
+    T: int
+    prefill_s: float
+    prefill_peak_bytes: int | None
+    decode_s_per_token: float
+    state_bytes: int
+
+
+@dataclass
+class BenchResult:
+    settings: BenchSettings
+    measurements: list[Measurement] = field(default_factory=list)
+    ratios: dict[str, dict[str, Any]] = field(default_factory=dict)
+    provenance: dict[str, Any] = field(default_factory=dict)
+
+    def get(self, method: str, T: int) -> Measurement:
+        return next(m for m in self.measurements if m.method == method and m.T == T)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
+    _sync(device)
+    t0 = time.perf_counter()
+    result = fn()
+    _sync(device)
+    return result, time.perf_counter() - t0
+
+
+def measure(step: Step, method: str, T: int, s: BenchSettings) -> Measurement:
+    """Prefill T tokens (peak memory on the first call, then timed repeats), then decode."""
+    device, dtype = torch.device(s.device), DTYPES[s.dtype]
+    g = torch.Generator(device=device).manual_seed(s.seed)
+    n = T + s.n_decode
+    shape = (s.batch, s.heads, n, s.head_dim)
+    q, k, v = (torch.randn(shape, generator=g, device=device, dtype=dtype) for _ in range(3))
+    prefill = (q[:, :, :T], k[:, :, :T], v[:, :, :T])
+    with torch.no_grad():
+        (_, state), peak = peak_memory(lambda: step(*prefill, None), device)
+        times = [_timed(lambda: step(*prefill, None), device)[1] for _ in range(s.repeats)]
+
+        def decode() -> Any:
+            st = state
+            for t in range(T, n):
+                _, st = step(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], st)
+            return st
+
+        final, decode_s = _timed(decode, device)
+    return Measurement(
+        method=method,
+        T=T,
+        prefill_s=statistics.median(times),
+        prefill_peak_bytes=peak,
+        decode_s_per_token=decode_s / s.n_decode,
+        state_bytes=final.nbytes,
+    )
+
+
+def ratios(r: BenchResult) -> dict[str, dict[str, Any]]:
+    """Ratios of numbers measured in this run, with issue 2's targets where they apply."""
+    s, out = r.settings, {}
+    if "kvm_fixed" not in s.methods:
+        return out
+    lengths = sorted(s.lengths)
+    lo, hi = lengths[0], lengths[-1]
+    fixed = {T: r.get("kvm_fixed", T) for T in lengths}
+
+    def add(name: str, value: float, target: str | None = None) -> None:
+        out[name] = {"value": value, "target": target}
+
+    if len(lengths) > 1:
+        prev = lengths[-2]
+        add(
+            f"kvm_fixed prefill t({hi}) / t({prev})",
+            fixed[hi].prefill_s / fixed[prev].prefill_s,
+            f"<= {1.125 * hi / prev:g} (linear)",
+        )
+        add(
+            f"kvm_fixed decode per token t({hi}) / t({lo})",
+            fixed[hi].decode_s_per_token / fixed[lo].decode_s_per_token,
+            "<= 1.5",
+        )
+    for T in lengths:
+        if "full" in s.methods:
+            speedup = r.get("full", T).prefill_s / fixed[T].prefill_s
+            add(f"full / kvm_fixed prefill at {T}", speedup, ">= 5" if hi == T else None)
+        if "bswa" in s.methods:
+            slowdown = fixed[T].prefill_s / r.get("bswa", T).prefill_s
+            add(f"kvm_fixed / bswa prefill at {T}", slowdown, "<= 2")
+    return out
+
+
+def provenance(argv: list[str] | None) -> dict[str, Any]:
+    """Command, commit and machine, recorded next to every result."""
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = bool(
+            subprocess.run(
+                ["git", "status", "--porcelain", "--untracked-files=no"],
+                capture_output=True, text=True, check=True,
+            ).stdout.strip()
+        )  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        commit, dirty = "unknown", False
+    return {
+        "command": shlex.join(["longkv", *(sys.argv[1:] if argv is None else argv)]),
+        "commit": commit + ("+dirty" if dirty else ""),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "cuda_device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        },
+    }
+
+
+def run(s: BenchSettings, argv: list[str] | None = None) -> BenchResult:
+    """Measure every method at every length, with a progress bar."""
+    steps = method_steps(s)
+    result = BenchResult(settings=s, provenance=provenance(argv))
+    jobs = [(m, T) for T in s.lengths for m in s.methods]
+    for method, T in tqdm(jobs, desc="bench kvm", unit="run"):
+        result.measurements.append(measure(steps[method], method, T, s))
+    result.ratios = ratios(result)
+    return result
+
+
+def table(r: BenchResult) -> str:
+    """Plain-text table of the measurements and ratios."""
+    header = ("method", "T", "prefill ms", "peak MiB", "decode ms/tok", "state MiB")
+    lines = ["{:<16}{:>8}{:>12}{:>10}{:>15}{:>11}".format(*header)]
+    for m in r.measurements:
+        peak = "n/a" if m.prefill_peak_bytes is None else f"{m.prefill_peak_bytes / 2**20:.1f}"
+        lines.append(
+            f"{m.method:<16}{m.T:>8}{m.prefill_s * 1e3:>12.1f}{peak:>10}"
+            f"{m.decode_s_per_token * 1e3:>15.3f}{m.state_bytes / 2**20:>11.2f}"
+        )
+    lines.append("")
+    for name, ratio in r.ratios.items():
+        target = f"  (target {ratio['target']})" if ratio["target"] else ""
+        lines.append(f"{name:<44}{ratio['value']:>8.2f}{target}")
+    return "\n".join(lines)
+
+
+def plot(r: BenchResult, path: Path) -> None:
+    """Prefill time, peak memory and decode time against context length, one line per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [
+        ("prefill_s", "prefill time (s)"),
+        ("prefill_peak_bytes", "prefill peak memory (MiB)"),
+        ("decode_s_per_token", "decode time per token (ms)"),
+    ]
+    scale = {"prefill_s": 1.0, "prefill_peak_bytes": 2.0**-20, "decode_s_per_token": 1e3}
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for ax, (key, label) in zip(axes, panels, strict=True):
+        for method in r.settings.methods:
+            ms = [m for m in r.measurements if m.method == method]
+            ys = [getattr(m, key) for m in ms]
+            if any(y is None for y in ys):
+                continue
+            ax.plot([m.T for m in ms], [y * scale[key] for y in ys], marker="o", label=method)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context length T (tokens)")
+        ax.set_title(label)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend()
+    s, p = r.settings, r.provenance
+    fig.suptitle(
+        f"B={s.batch} H={s.heads} D={s.head_dim} {s.dtype} C={s.chunk_len} N={s.window_chunks} "
+        f"on {s.device} ({p['machine']['cpu_count']} CPUs) at {p['commit'][:12]}",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def save(r: BenchResult) -> tuple[Path, Path]:
+    """Write <out_dir>/<name>.json and .png atomically; return their paths."""
+    out = Path(r.settings.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = out / f"{r.settings.name}.json", out / f"{r.settings.name}.png"
+    payload = {
+        "provenance": r.provenance,
+        "settings": asdict(r.settings),
+        "measurements": [asdict(m) for m in r.measurements],
+        "ratios": r.ratios,
+    }
+    tmp = json_path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(payload, indent=2) + "\n")
+    tmp.replace(json_path)
+    tmp_png = png_path.with_suffix(".tmp.png")
+    plot(r, tmp_png)
+    tmp_png.replace(png_path)
+    return json_path, png_path

@@ -1,0 +1,63 @@
+"""Peak memory of one call: CUDA allocator statistics, or the resident-set high-water mark."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+
+R = TypeVar("R")
+_STATUS = Path("/proc/self/status")
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+def _status_bytes(key: str) -> int:
+    for line in _STATUS.read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{key} missing from {_STATUS}")
+
+
+def _release_free_heap() -> None:
+    """Return freed heap pages to the OS (glibc malloc_trim) so RSS counts live memory only."""
+    libc_name = ctypes.util.find_library("c")
+    if libc_name:
+        trim = getattr(ctypes.CDLL(libc_name), "malloc_trim", None)
+        if trim is not None:
+            trim(0)
+
+
+def cpu_peak_supported() -> bool:
+    """Linux lets a process reset its RSS high-water mark (clear_refs value 5)."""
+    try:
+        _CLEAR_REFS.write_text("5")
+        _status_bytes("VmHWM")
+    except (OSError, RuntimeError):
+        return False
+    return True
+
+
+def peak_memory(fn: Callable[[], R], device: torch.device) -> tuple[R, int | None]:
+    """Run fn and return (its result, peak bytes allocated above the level before the call).
+
+    CUDA: torch.cuda.max_memory_allocated. CPU: the rise of the resident-set high-water mark
+    (VmHWM, reset first), which includes allocator slack; None where it cannot be measured.
+    """
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        result = fn()
+        torch.cuda.synchronize(device)
+        return result, torch.cuda.max_memory_allocated(device) - before
+    if device.type != "cpu" or not cpu_peak_supported():
+        return fn(), None
+    _release_free_heap()
+    _CLEAR_REFS.write_text("5")
+    before = _status_bytes("VmRSS")
+    result = fn()
+    return result, max(0, _status_bytes("VmHWM") - before)

@@ -1,0 +1,1 @@
+"""The `longkv` command line."""

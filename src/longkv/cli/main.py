@@ -1,0 +1,86 @@
+"""`longkv` entry point: `longkv bench kvm [options]`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from longkv.bench import kvm as bench_kvm
+
+
+def _bench_kvm_parser(sub: argparse._SubParsersAction) -> None:
+    d = bench_kvm.BenchSettings()
+    p = sub.add_parser(
+        "kvm",
+        help="prefill/decode time and peak memory: KVM vs BSWA vs full attention",
+        description=bench_kvm.__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--lengths", type=int, nargs="+", default=list(d.lengths), help="context lengths T"
+    )
+    p.add_argument("--batch", type=int, default=d.batch)
+    p.add_argument("--heads", type=int, default=d.heads)
+    p.add_argument("--head-dim", type=int, default=d.head_dim)
+    p.add_argument("--chunk-len", type=int, default=d.chunk_len)
+    p.add_argument("--window-chunks", type=int, default=d.window_chunks)
+    p.add_argument("--dtype", choices=sorted(bench_kvm.DTYPES), default=d.dtype)
+    p.add_argument("--device", default=d.device)
+    p.add_argument("--repeats", type=int, default=d.repeats, help="timed prefill calls (median)")
+    p.add_argument(
+        "--decode-tokens", type=int, default=None, help="decode steps timed (default: chunk-len)"
+    )
+    p.add_argument("--methods", nargs="+", choices=bench_kvm.METHODS, default=list(d.methods))
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--out-dir", default=d.out_dir, help="where the JSON and PNG go")
+    p.add_argument("--name", default=d.name, help="file name stem of the results")
+    p.set_defaults(func=_run_bench_kvm)
+
+
+def _run_bench_kvm(args: argparse.Namespace, argv: list[str]) -> int:
+    settings = bench_kvm.BenchSettings(
+        lengths=tuple(args.lengths),
+        batch=args.batch,
+        heads=args.heads,
+        head_dim=args.head_dim,
+        chunk_len=args.chunk_len,
+        window_chunks=args.window_chunks,
+        dtype=args.dtype,
+        device=args.device,
+        repeats=args.repeats,
+        decode_tokens=args.decode_tokens,
+        methods=tuple(args.methods),
+        seed=args.seed,
+        out_dir=args.out_dir,
+        name=args.name,
+    )
+    result = bench_kvm.run(settings, argv)
+    print(bench_kvm.table(result))
+    json_path, png_path = bench_kvm.save(result)
+    print(f"\nwrote {json_path} and {png_path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="longkv", description="Long-context memory for transformers."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    bench = commands.add_parser("bench", help="speed and memory benchmarks")
+    _bench_kvm_parser(bench.add_subparsers(dest="bench", required=True))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse argv (default sys.argv[1:]) and run the chosen command."""
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args, argv)
+    except ValueError as err:
+        print(f"longkv: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
