@@ -1,0 +1,69 @@
+"""`longkv bench kvm` end to end on tiny sizes, and the peak-memory probe."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from longkv.bench.kvm import METHODS, BenchSettings
+from longkv.bench.memory import cpu_peak_supported, peak_memory
+from longkv.cli.main import main
+
+
+def test_bench_kvm_writes_results_with_provenance(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [
+        "bench", "kvm", "--lengths", "64", "256", "--heads", "2", "--head-dim", "8",
+        "--chunk-len", "16", "--repeats", "1", "--decode-tokens", "4", "--out-dir", str(tmp_path),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    data = json.loads((tmp_path / "bench_kvm.json").read_text())
+    assert data["provenance"]["command"] == "longkv " + " ".join(argv)
+    assert data["provenance"]["commit"]
+    assert data["provenance"]["machine"]["torch"] == torch.__version__
+    runs = {(m["method"], m["T"]) for m in data["measurements"]}
+    assert runs == {(m, T) for m in METHODS for T in (64, 256)}
+    for m in data["measurements"]:
+        assert m["prefill_s"] > 0 and m["decode_s_per_token"] > 0 and m["state_bytes"] > 0
+    ratio = data["ratios"]["kvm_fixed / bswa prefill at 256"]
+    assert ratio["target"] == "<= 2" and ratio["value"] > 0
+    assert "kvm_fixed / bswa prefill at 256" in printed
+    assert (tmp_path / "bench_kvm.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not list(tmp_path.glob("*.tmp*"))
+
+
+def test_bench_state_sizes_show_bounded_memory(tmp_path: Path) -> None:
+    argv = [
+        "bench", "kvm", "--lengths", "128", "512", "--heads", "1", "--head-dim", "8",
+        "--chunk-len", "16", "--repeats", "1", "--decode-tokens", "1", "--out-dir", str(tmp_path),
+        "--methods", "kvm_fixed", "full",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    data = json.loads((tmp_path / "bench_kvm.json").read_text())
+    state = {(m["method"], m["T"]): m["state_bytes"] for m in data["measurements"]}
+    assert state[("kvm_fixed", 128)] == state[("kvm_fixed", 512)]
+    assert state[("full", 512)] > 3 * state[("full", 128)]
+
+
+def test_bad_settings_are_reported() -> None:
+    with pytest.raises(ValueError, match="methods: unknown"):
+        BenchSettings(methods=("kvm_fixed", "mamba"))
+    assert main(["bench", "kvm", "--lengths", "0"]) == 2
+
+
+@pytest.mark.skipif(not cpu_peak_supported(), reason="needs Linux /proc/self/clear_refs")
+def test_peak_memory_sees_a_temporary_allocation() -> None:
+    def allocate() -> int:
+        x = torch.ones(50_000_000)  # 200 MB, freed before returning
+        return int(x[0])
+
+    result, peak = peak_memory(allocate, torch.device("cpu"))
+    assert result == 1
+    assert peak is not None and 150e6 < peak < 400e6
+    _, small = peak_memory(lambda: None, torch.device("cpu"))
+    assert small is not None and small < 50e6
