@@ -26,7 +26,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from longkv.attention import block_sliding_window_attention, full_attention
-from longkv.bench.memory import peak_memory
+from longkv.bench.memory import keep_freed_heap, peak_memory
 from longkv.kvm import KVMConfig, kvm_attention
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -50,6 +50,7 @@ class BenchSettings:
     decode_tokens: int | None = None  # None = chunk_len
     methods: tuple[str, ...] = METHODS
     seed: int = 0
+    keep_heap: bool = True  # CPU: glibc keeps freed memory, see memory.keep_freed_heap
     out_dir: str = "results"
     name: str = "bench_kvm"
 
@@ -219,6 +220,7 @@ def run(s: BenchSettings, argv: list[str] | None = None) -> BenchResult:
     """Measure every method at every length, with a progress bar."""
     steps = method_steps(s)
     result = BenchResult(settings=s, provenance=provenance(argv))
+    result.provenance["heap_kept"] = keep_freed_heap() if s.keep_heap else False
     jobs = [(m, T) for T in s.lengths for m in s.methods]
     for method, T in tqdm(jobs, desc="bench kvm", unit="run"):
         result.measurements.append(measure(steps[method], method, T, s))

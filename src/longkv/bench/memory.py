@@ -22,13 +22,30 @@ def _status_bytes(key: str) -> int:
     raise RuntimeError(f"{key} missing from {_STATUS}")
 
 
+def _libc_function(name: str) -> Callable[..., int] | None:
+    libc_name = ctypes.util.find_library("c")
+    return getattr(ctypes.CDLL(libc_name), name, None) if libc_name else None
+
+
 def _release_free_heap() -> None:
     """Return freed heap pages to the OS (glibc malloc_trim) so RSS counts live memory only."""
-    libc_name = ctypes.util.find_library("c")
-    if libc_name:
-        trim = getattr(ctypes.CDLL(libc_name), "malloc_trim", None)
-        if trim is not None:
-            trim(0)
+    trim = _libc_function("malloc_trim")
+    if trim is not None:
+        trim(0)
+
+
+def keep_freed_heap() -> bool:
+    """Make glibc keep freed memory for reuse instead of unmapping it, like a caching allocator.
+
+    Without this, large temporaries freed in one step are returned to the OS and faulted in
+    again in the next, and CPU timings measure page faults as much as arithmetic. Sets
+    M_MMAP_THRESHOLD to 1 GiB and M_TRIM_THRESHOLD to 2 GiB; False where mallopt is missing.
+    """
+    mallopt = _libc_function("mallopt")
+    if mallopt is None:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(mallopt(m_mmap_threshold, 2**30)) and bool(mallopt(m_trim_threshold, 2**31))
 
 
 def cpu_peak_supported() -> bool:

@@ -32,6 +32,12 @@ def _bench_kvm_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--methods", nargs="+", choices=bench_kvm.METHODS, default=list(d.methods))
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument(
+        "--no-keep-heap",
+        dest="keep_heap",
+        action="store_false",
+        help="let glibc return freed memory to the OS (timings then include page faults)",
+    )
     p.add_argument("--out-dir", default=d.out_dir, help="where the JSON and PNG go")
     p.add_argument("--name", default=d.name, help="file name stem of the results")
     p.set_defaults(func=_run_bench_kvm)
@@ -51,6 +57,7 @@ def _run_bench_kvm(args: argparse.Namespace, argv: list[str]) -> int:
         decode_tokens=args.decode_tokens,
         methods=tuple(args.methods),
         seed=args.seed,
+        keep_heap=args.keep_heap,
         out_dir=args.out_dir,
         name=args.name,
     )
