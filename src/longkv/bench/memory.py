@@ -34,18 +34,27 @@ def _release_free_heap() -> None:
         trim(0)
 
 
-def keep_freed_heap() -> bool:
-    """Make glibc keep freed memory for reuse instead of unmapping it, like a caching allocator.
+_heap_kept = False
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
-    Without this, large temporaries freed in one step are returned to the OS and faulted in
-    again in the next, and CPU timings measure page faults as much as arithmetic. Sets
-    M_MMAP_THRESHOLD to 1 GiB and M_TRIM_THRESHOLD to 2 GiB; False where mallopt is missing.
+
+def keep_freed_heap(keep: bool = True) -> bool:
+    """Make glibc keep freed memory for reuse (or not); returns whether it could be set.
+
+    keep=True: large temporaries freed in one step are reused in the next instead of being
+    returned to the OS and faulted in again, like a caching allocator, so CPU timings measure
+    arithmetic rather than page faults (M_MMAP_THRESHOLD 1 GiB, M_TRIM_THRESHOLD 2 GiB).
+    keep=False: every block of 128 KiB or more is mapped and unmapped on its own, so the
+    resident set follows live memory (what `peak_memory` reads).
     """
+    global _heap_kept
     mallopt = _libc_function("mallopt")
     if mallopt is None:
         return False
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    return bool(mallopt(m_mmap_threshold, 2**30)) and bool(mallopt(m_trim_threshold, 2**31))
+    mmap, trim = (2**30, 2**31) if keep else (2**17, 2**17)
+    ok = bool(mallopt(_M_MMAP_THRESHOLD, mmap)) and bool(mallopt(_M_TRIM_THRESHOLD, trim))
+    _heap_kept = keep and ok
+    return ok
 
 
 def cpu_peak_supported() -> bool:
@@ -62,7 +71,8 @@ def peak_memory(fn: Callable[[], R], device: torch.device) -> tuple[R, int | Non
     """Run fn and return (its result, peak bytes allocated above the level before the call).
 
     CUDA: torch.cuda.max_memory_allocated. CPU: the rise of the resident-set high-water mark
-    (VmHWM, reset first), which includes allocator slack; None where it cannot be measured.
+    (VmHWM, reset first) with glibc mapping each large block on its own for the call (see
+    `keep_freed_heap`), so the rise follows live memory; None where it cannot be measured.
     """
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -73,8 +83,14 @@ def peak_memory(fn: Callable[[], R], device: torch.device) -> tuple[R, int | Non
         return result, torch.cuda.max_memory_allocated(device) - before
     if device.type != "cpu" or not cpu_peak_supported():
         return fn(), None
+    kept = _heap_kept
+    keep_freed_heap(False)
     _release_free_heap()
     _CLEAR_REFS.write_text("5")
     before = _status_bytes("VmRSS")
-    result = fn()
-    return result, max(0, _status_bytes("VmHWM") - before)
+    try:
+        result = fn()
+        return result, max(0, _status_bytes("VmHWM") - before)
+    finally:
+        if kept:
+            keep_freed_heap(True)
