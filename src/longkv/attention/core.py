@@ -80,10 +80,9 @@ def check_optional(
     return t
 
 
-def grouped_queries(q: Tensor, dims: Dims, scale: float | None) -> Tensor:
-    """q (B, H, T, Dk) times the logit scale (default 1/sqrt(Dk)), as (B, Hkv, G, T, Dk)."""
-    scale = dims.Dk**-0.5 if scale is None else scale
-    return group_heads(q, dims.Hkv) * scale
+def logit_scale(dims: Dims, scale: float | None) -> float:
+    """The softmax scale: `scale`, or 1/sqrt(Dk) when None."""
+    return dims.Dk**-0.5 if scale is None else scale
 
 
 def group_heads(q: Tensor, Hkv: int) -> Tensor:
@@ -111,13 +110,13 @@ def causal_mask(n: int, device: torch.device) -> Tensor:
     return torch.ones(n, n, dtype=torch.bool, device=device).tril()
 
 
-def attention_logits(q: Tensor, k: Tensor) -> Tensor:
-    """Logits of grouped, pre-scaled queries q (B, Hkv, G, Lq, Dk) against k (B, Hkv, Lk, Dk).
+def attention_logits(q: Tensor, k: Tensor, scale: float) -> Tensor:
+    """scale * q.k for grouped queries q (B, Hkv, G, Lq, Dk) and keys k (B, Hkv, Lk, Dk).
 
     Returns (B, Hkv, G, Lq, Lk); the G query heads of a group share their key head.
     """
     B, Hkv, G, Lq, Dk = q.shape
-    return (q.reshape(B, Hkv, G * Lq, Dk) @ k.transpose(-1, -2)).view(B, Hkv, G, Lq, -1)
+    return ((q * scale).view(B, Hkv, G * Lq, Dk) @ k.transpose(-1, -2)).view(B, Hkv, G, Lq, -1)
 
 
 def attend(logits: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:

@@ -21,7 +21,8 @@ from longkv.attention.core import (
     causal_band_mask,
     causal_mask,
     check_qkv,
-    grouped_queries,
+    group_heads,
+    logit_scale,
     ungroup_heads,
 )
 from longkv.attention.state import WindowCache
@@ -99,23 +100,23 @@ def banded_attention(
     cache.require_from(max(0, lo(n0)), "the next query")
     cache = cache.extend(k, v)
     n1, base = cache.seen, cache.start
-    qg = grouped_queries(q, dims, scale)  # (B, Hkv, G, T, Dk)
+    qg, scale = group_heads(q, dims.Hkv), logit_scale(dims, scale)  # (B, Hkv, G, T, Dk)
     pos = torch.arange(n1, device=q.device)
     tri = causal_mask(min(block_len, dims.T), q.device)
-    outs = []
+    out = q.new_empty(dims.B, dims.Hkv, dims.groups, dims.T, dims.Dv)
     a = n0
     while a < n1:
         b = min(n1, (a // block_len + 1) * block_len)
         s = max(0, lo(a))
         window = slice(s - base, b - base)
-        logits = attention_logits(qg[:, :, :, a - n0 : b - n0], cache.k[:, :, window])
+        logits = attention_logits(qg[:, :, :, a - n0 : b - n0], cache.k[:, :, window], scale)
         if lo(b - 1) <= s:  # keys before the block are seen by all its queries
             mask = tri[: b - a, : b - a]
         else:
             mask = causal_band_mask(pos[a:b], pos[s:b], lo(pos[a:b]))
-        outs.append(attend(logits, cache.v[:, :, window], mask))
+        out[:, :, :, a - n0 : b - n0] = attend(logits, cache.v[:, :, window], mask)
         a = b
-    return ungroup_heads(torch.cat(outs, dim=3)), cache.keep_from(max(0, lo(n1)))
+    return ungroup_heads(out), cache.keep_from(max(0, lo(n1)))
 
 
 def check_window(window: int) -> None:

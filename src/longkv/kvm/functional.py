@@ -20,7 +20,8 @@ from longkv.attention.core import (
     causal_mask,
     check_optional,
     check_qkv,
-    grouped_queries,
+    group_heads,
+    logit_scale,
     ungroup_heads,
 )
 from longkv.attention.state import WindowCache
@@ -211,11 +212,11 @@ def kvm_attention(
         state = _append(state, k0, v0, founder_r(v0, config))
     cov = max(min(n1, C), window_start(config, n0))
 
-    qg = grouped_queries(q, dims, scale)  # (B, Hkv, G, T, Dk)
+    qg, scale = group_heads(q, dims.Hkv), logit_scale(dims, scale)  # (B, Hkv, G, T, Dk)
     group = (1, dims.Hkv, dims.groups, 1, 1)
     tau_w = None if window_temp is None else window_temp.view(group)
     tau_s = None if state_temp is None else state_temp.view(group)
-    outs = []
+    out = q.new_empty(dims.B, dims.Hkv, dims.groups, dims.T, dims.Dv)
     state_k = None  # LN_s(slot_k) of the slots as they stand, once computed
     tri = causal_mask(min(C, dims.T), q.device)
     for c in range(n0 // C, (n1 - 1) // C + 1):
@@ -235,12 +236,12 @@ def kvm_attention(
             state_k, state_v = read_state(state, norm_weight, norm_bias)
             S = state.num_slots
             keys, values = torch.cat([state_k, keys], dim=2), torch.cat([state_v, values], dim=2)
-        logits = attention_logits(qg[:, :, :, a - n0 : b - n0], keys)  # (B, Hkv, G, Lq, S + Lw)
+        logits = attention_logits(qg[:, :, :, a - n0 : b - n0], keys, scale)  # (.., Lq, S + Lw)
         if tau_w is not None or (tau_s is not None and S):
             logits = logits * _key_temperature(tau_s, tau_w, S, b - lo, q)
-        outs.append(attend(logits, values, tri[: b - a, : b - a]))
+        out[:, :, :, a - n0 : b - n0] = attend(logits, values, tri[: b - a, : b - a])
     state = replace(state, window=win.keep_from(window_start(config, n1)))
-    return ungroup_heads(torch.cat(outs, dim=3)), state
+    return ungroup_heads(out), state
 
 
 def _key_temperature(
