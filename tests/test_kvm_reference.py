@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 import torch
@@ -37,6 +38,13 @@ def append_counts(config: KVMConfig, T: int) -> list[int]:
 
 
 GRID = list(itertools.product(["fixed", "power_law", "saturation"], [0, 1, 2], [1, 2, 3]))
+SWITCHES = ("vlens", "gate", "gate_appends", "temps", "rope", "gqa")
+
+
+def switches(i: int) -> dict[str, bool]:
+    """On/off for each switch in grid case i: a seeded draw, so combinations vary case to case."""
+    rng = random.Random(1000 + i)
+    return {name: rng.random() < 0.5 for name in SWITCHES}
 
 
 @pytest.mark.parametrize(
@@ -44,21 +52,27 @@ GRID = list(itertools.product(["fixed", "power_law", "saturation"], [0, 1, 2], [
 )
 def test_fast_equals_reference(i: int, case: tuple[str, int, int]) -> None:
     budget, sink, N = case
-    # the remaining switches take every combination of values across the grid
-    vlens, gate, gate_appends, temps, rope, gqa = ((i >> bit) & 1 == 1 for bit in range(6))
+    on = switches(i)
     config = small_config(
         budget,
         sink_len=sink,
         window_chunks=N,
-        use_vlens=vlens,
-        gate_appends=gate_appends,
-        rope_dim=4 if rope else 0,
+        use_vlens=on["vlens"],
+        gate_appends=on["gate_appends"],
+        rope_dim=4 if on["rope"] else 0,
     )
-    inp = make_inputs(Hkv=2 if gqa else 4, T=45, gate=gate, temps=temps, seed=i)
+    inp = make_inputs(Hkv=2 if on["gqa"] else 4, T=45, gate=on["gate"], temps=on["temps"], seed=i)
     out, state = kvm_attention(inp.q, inp.k, inp.v, config, **inp.extras)
     ref, ref_state = kvm_attention_naive(inp.q, inp.k, inp.v, config, **inp.extras)
     assert_close(out, ref)
     assert_same_state(state, ref_state)
+
+
+def test_grid_turns_every_switch_both_ways_under_every_budget() -> None:
+    for budget in ("fixed", "power_law", "saturation"):
+        cases = [switches(i) for i, case in enumerate(GRID) if case[0] == budget]
+        for name in SWITCHES:
+            assert {c[name] for c in cases} == {True, False}, (budget, name)
 
 
 def test_grid_exercises_every_kind_of_update() -> None:

@@ -139,6 +139,7 @@ def test_bad_inputs_raise_clear_errors() -> None:
         v=torch.randn(2, 3, 10, 6, dtype=q.dtype),
     )
     fails("k: dtype/device", k=k.float())
+    fails("v: dtype/device", v=v.to("meta"))
     fails("q: expected a floating dtype", q=q.long())
     fails("no tokens", q=q[:, :, :0], k=k[:, :, :0], v=v[:, :, :0])
     fails("gate: expected shape", gate=torch.ones(2, 2, 10, dtype=q.dtype))
