@@ -34,6 +34,9 @@ def test_bench_kvm_writes_results_with_provenance(
     assert ratio["target"] == "<= 2" and ratio["value"] > 0
     assert "kvm_fixed / bswa prefill at 256" in printed
     assert (tmp_path / "bench_kvm.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    page = (tmp_path / "bench_kvm.md").read_text()
+    assert data["provenance"]["command"] in page and data["provenance"]["commit"] in page
+    assert "| kvm_fixed / bswa prefill at 256 |" in page
     assert not list(tmp_path.glob("*.tmp*"))
 
 

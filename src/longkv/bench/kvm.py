@@ -283,21 +283,57 @@ def plot(r: BenchResult, path: Path) -> None:
     plt.close(fig)
 
 
-def save(r: BenchResult) -> tuple[Path, Path]:
-    """Write <out_dir>/<name>.json and .png atomically; return their paths."""
+def markdown(r: BenchResult) -> str:
+    """The run as a markdown page: what was run, where, the measurements and the ratios."""
+    p, s, m = r.provenance, r.settings, r.provenance["machine"]
+    lines = [
+        "# longkv bench kvm",
+        "",
+        f"- command: `{p['command']}`",
+        f"- commit: `{p['commit']}`, run {p['date']}",
+        f"- machine: {m['platform']}, {m['processor']}, {m['cpu_count']} CPUs, "
+        f"{m['torch_threads']} torch threads, torch {m['torch']}, Python {m['python']}"
+        + (f", {m['cuda_device']}" if m["cuda_device"] else ""),
+        f"- settings: B={s.batch} H={s.heads} D={s.head_dim} {s.dtype} on {s.device}, "
+        f"C={s.chunk_len} N={s.window_chunks}, median of {s.repeats} prefills, decode mean of "
+        f"{s.n_decode} tokens, heap kept: {p.get('heap_kept')}",
+        "",
+        "| method | T | prefill ms | peak MiB | decode ms/token | state MiB |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for x in r.measurements:
+        peak = "n/a" if x.prefill_peak_bytes is None else f"{x.prefill_peak_bytes / 2**20:.1f}"
+        lines.append(
+            f"| {x.method} | {x.T} | {x.prefill_s * 1e3:.1f} | {peak} | "
+            f"{x.decode_s_per_token * 1e3:.3f} | {x.state_bytes / 2**20:.2f} |"
+        )
+    lines += ["", "| ratio (same run) | value | target |", "|---|---:|---|"]
+    for name, ratio in r.ratios.items():
+        lines.append(f"| {name} | {ratio['value']:.2f} | {ratio['target'] or ''} |")
+    return "\n".join(lines) + "\n"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def save(r: BenchResult) -> list[Path]:
+    """Write <out_dir>/<name>.json, .md and .png atomically; return their paths."""
     out = Path(r.settings.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    json_path, png_path = out / f"{r.settings.name}.json", out / f"{r.settings.name}.png"
+    stem = out / r.settings.name
     payload = {
         "provenance": r.provenance,
         "settings": asdict(r.settings),
         "measurements": [asdict(m) for m in r.measurements],
         "ratios": r.ratios,
     }
-    tmp = json_path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n")
-    tmp.replace(json_path)
-    tmp_png = png_path.with_suffix(".tmp.png")
+    paths = [stem.with_suffix(".json"), stem.with_suffix(".md"), stem.with_suffix(".png")]
+    _write_atomic(paths[0], json.dumps(payload, indent=2) + "\n")
+    _write_atomic(paths[1], markdown(r))
+    tmp_png = stem.with_suffix(".tmp.png")
     plot(r, tmp_png)
-    tmp_png.replace(png_path)
-    return json_path, png_path
+    tmp_png.replace(paths[2])
+    return paths

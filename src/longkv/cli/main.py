@@ -63,8 +63,8 @@ def _run_bench_kvm(args: argparse.Namespace, argv: list[str]) -> int:
     )
     result = bench_kvm.run(settings, argv)
     print(bench_kvm.table(result))
-    json_path, png_path = bench_kvm.save(result)
-    print(f"\nwrote {json_path} and {png_path}")
+    paths = bench_kvm.save(result)
+    print("\nwrote " + ", ".join(str(p) for p in paths))
     return 0
 
 
