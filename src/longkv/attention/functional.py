@@ -38,18 +38,7 @@ def check_cache(state: WindowCache | None, k: Tensor, v: Tensor, dims: Dims) -> 
         raise ValueError(
             f"state: expected a WindowCache from an earlier call, got {type(state).__name__}"
         )
-    want = (dims.B, dims.Hkv, dims.Dk, dims.Dv)
-    got = (state.k.shape[0], state.k.shape[1], state.k.shape[3], state.v.shape[3])
-    if got != want:
-        raise ValueError(
-            f"state: holds (B, Hkv, Dk, Dv) = {got} but this call has {want}; pass the state "
-            "returned for the same batch and heads"
-        )
-    if state.k.dtype != k.dtype or state.k.device != k.device:
-        raise ValueError(
-            f"state: dtype/device {state.k.dtype}/{state.k.device} differs from the inputs' "
-            f"{k.dtype}/{k.device}; move it with state.to(device, dtype)"
-        )
+    state.check_fits(dims, k)
     return state
 
 

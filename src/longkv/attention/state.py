@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from longkv.attention.core import Dims
+
 
 @dataclass
 class WindowCache:
@@ -74,6 +76,21 @@ class WindowCache:
         return WindowCache(
             k=self.k[:, :, i:].clone(), v=self.v[:, :, i:].clone(), seen=self.seen, g=g
         )
+
+    def check_fits(self, dims: Dims, like: Tensor) -> None:
+        """Raise unless this cache can continue a call with these sizes, dtype and device."""
+        want = (dims.B, dims.Hkv, dims.Dk, dims.Dv)
+        got = (self.k.shape[0], self.k.shape[1], self.k.shape[3], self.v.shape[3])
+        if got != want:
+            raise ValueError(
+                f"state: holds (B, Hkv, Dk, Dv) = {got} but this call has {want}; pass the "
+                "state returned for the same batch and heads"
+            )
+        if self.k.dtype != like.dtype or self.k.device != like.device:
+            raise ValueError(
+                f"state: dtype/device {self.k.dtype}/{self.k.device} differs from the inputs' "
+                f"{like.dtype}/{like.device}; move it with state.to(device, dtype)"
+            )
 
     def require_from(self, pos: int, what: str) -> None:
         """Raise if tokens from absolute position `pos` on are no longer held."""

@@ -112,53 +112,38 @@ class KVMConfig:
             raise ValueError(
                 f"KVMConfig.rope_dim: {self.rope_dim} >= key head dim {head_dim} would zero every "
                 f"state key channel and make all state keys identical; use rope_dim < {head_dim} "
-                f"(the paper rotates half: {head_dim // 2 // 2 * 2})"
+                "(the paper rotates half of a head)"
             )
 
     @classmethod
     def paper_fixed(cls, **overrides: object) -> KVMConfig:
         """'KVM fixed': C=256, N=2, one sink, 256 slots (rope_dim 64 of a 128-dim head)."""
-        base: dict[str, object] = dict(
-            chunk_len=256,
-            window_chunks=2,
-            sink_len=1,
-            budget="fixed",
-            state_min_len=256,
-            max_state_chunks=1,
-            rope_dim=64,
-        )
-        return cls(**{**base, **overrides})  # type: ignore[arg-type]
+        budget = dict(budget="fixed", state_min_len=256, max_state_chunks=1)
+        return cls(**{**_PAPER_LAYER, **budget, **overrides})  # type: ignore[arg-type]
 
     @classmethod
     def paper_sqrt(cls, **overrides: object) -> KVMConfig:
         """'KVM sqrt': power law 16 * ctx**0.5 slots, at least 256, no cap."""
-        base: dict[str, object] = dict(
-            chunk_len=256,
-            window_chunks=2,
-            sink_len=1,
+        budget = dict(
             budget="power_law",
             state_min_len=256,
             growth_factor=16.0,
             growth_exponent=0.5,
             max_state_chunks=None,
-            rope_dim=64,
         )
-        return cls(**{**base, **overrides})  # type: ignore[arg-type]
+        return cls(**{**_PAPER_LAYER, **budget, **overrides})  # type: ignore[arg-type]
 
     @classmethod
     def paper_saturation(cls, **overrides: object) -> KVMConfig:
         """'KVM saturation': 1024 * ctx / (1024 + ctx) slots, at least 1, no cap."""
-        base: dict[str, object] = dict(
-            chunk_len=256,
-            window_chunks=2,
-            sink_len=1,
-            budget="saturation",
-            state_min_len=1,
-            saturation_n=1024,
-            max_state_chunks=None,
-            rope_dim=64,
+        budget = dict(
+            budget="saturation", state_min_len=1, saturation_n=1024, max_state_chunks=None
         )
-        return cls(**{**base, **overrides})  # type: ignore[arg-type]
+        return cls(**{**_PAPER_LAYER, **budget, **overrides})  # type: ignore[arg-type]
+
+
+# Shared by the paper's configurations: C = 256, N = 2, one sink, RoPE on 64 of 128 channels.
+_PAPER_LAYER: dict[str, object] = dict(chunk_len=256, window_chunks=2, sink_len=1, rope_dim=64)
 
 
 def desired_state_len(config: KVMConfig, ctx: int, avail: int, cur: int) -> int:

@@ -152,18 +152,7 @@ def check_state(state: object, config: KVMConfig, dims: Dims, like: Tensor) -> K
             f"state: was made with {state.config} but this call uses {config}; continue a "
             "sequence with the config that started it"
         )
-    want = (dims.B, dims.Hkv, dims.Dk, dims.Dv)
-    got = (*state.slot_k.shape[:2], state.slot_k.shape[3], state.slot_v.shape[3])
-    if got != want:
-        raise ValueError(
-            f"state: holds (B, Hkv, Dk, Dv) = {got} but this call has {want}; pass the state "
-            "returned for the same batch and heads"
-        )
-    if state.slot_k.dtype != like.dtype or state.slot_k.device != like.device:
-        raise ValueError(
-            f"state: dtype/device {state.slot_k.dtype}/{state.slot_k.device} differs from the "
-            f"inputs' {like.dtype}/{like.device}; move it with state.to(device, dtype)"
-        )
+    state.window.check_fits(dims, like)
     return state
 
 
