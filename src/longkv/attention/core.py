@@ -97,17 +97,14 @@ def ungroup_heads(x: Tensor) -> Tensor:
     return x.reshape(B, Hkv * G, T, D)
 
 
-def causal_band_mask(q_pos: Tensor, k_pos: Tensor, lo: Tensor | None = None) -> Tensor:
-    """(Lq, Lk) bool, True where key position lies in [lo(query), query]; lo defaults to 0."""
-    mask = k_pos[None, :] <= q_pos[:, None]
-    if lo is not None:
-        mask = mask & (k_pos[None, :] >= lo[:, None])
-    return mask
+def hidden_outside_band(q_pos: Tensor, k_pos: Tensor, lo: Tensor) -> Tensor:
+    """(Lq, Lk) bool, True where a key lies outside [lo(query), query]."""
+    return (k_pos[None, :] > q_pos[:, None]) | (k_pos[None, :] < lo[:, None])
 
 
-def causal_mask(n: int, device: torch.device) -> Tensor:
-    """(n, n) bool lower triangle: n queries against the same n keys."""
-    return torch.ones(n, n, dtype=torch.bool, device=device).tril()
+def hidden_future(n: int, device: torch.device) -> Tensor:
+    """(n, n) bool, True above the diagonal: n queries against the same n keys."""
+    return torch.ones(n, n, dtype=torch.bool, device=device).triu(1)
 
 
 def attention_logits(q: Tensor, k: Tensor, scale: float) -> Tensor:
@@ -119,14 +116,14 @@ def attention_logits(q: Tensor, k: Tensor, scale: float) -> Tensor:
     return ((q * scale).view(B, Hkv, G * Lq, Dk) @ k.transpose(-1, -2)).view(B, Hkv, G, Lq, -1)
 
 
-def attend(logits: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
+def attend(logits: Tensor, v: Tensor, hide: Tensor | None = None) -> Tensor:
     """Softmax of logits (B, Hkv, G, Lq, Lk) over keys, then the average of v (B, Hkv, Lk, Dv).
 
-    mask: (Lq, Lm) bool, True = visible, for the last Lm keys (earlier keys are visible to
+    hide: (Lq, Lm) bool, True = not visible, for the last Lm keys (earlier keys are visible to
     every query); every query must see at least one key. Returns (B, Hkv, G, Lq, Dv).
     """
     B, Hkv, G, Lq, Lk = logits.shape
-    if mask is not None:
-        logits[..., Lk - mask.shape[1] :].masked_fill_(~mask, float("-inf"))
+    if hide is not None:
+        logits[..., Lk - hide.shape[1] :].masked_fill_(hide, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     return (probs.view(B, Hkv, G * Lq, Lk) @ v).view(B, Hkv, G, Lq, -1)

@@ -18,10 +18,10 @@ from longkv.attention.core import (
     Dims,
     attend,
     attention_logits,
-    causal_band_mask,
-    causal_mask,
     check_qkv,
     group_heads,
+    hidden_future,
+    hidden_outside_band,
     logit_scale,
     ungroup_heads,
 )
@@ -62,8 +62,8 @@ def full_attention(
         out = F.scaled_dot_product_attention(q, K, V, is_causal=n0 == 0, scale=scale)
     else:
         pos = torch.arange(cache.seen, device=q.device)
-        mask = causal_band_mask(pos[n0:], pos)
-        out = F.scaled_dot_product_attention(q, K, V, attn_mask=mask, scale=scale)
+        visible = pos[None, :] <= pos[n0:, None]
+        out = F.scaled_dot_product_attention(q, K, V, attn_mask=visible, scale=scale)
     return out, cache
 
 
@@ -91,7 +91,7 @@ def banded_attention(
     n1, base = cache.seen, cache.start
     qg, scale = group_heads(q, dims.Hkv), logit_scale(dims, scale)  # (B, Hkv, G, T, Dk)
     pos = torch.arange(n1, device=q.device)
-    tri = causal_mask(min(block_len, dims.T), q.device)
+    future = hidden_future(min(block_len, dims.T), q.device)
     out = q.new_empty(dims.B, dims.Hkv, dims.groups, dims.T, dims.Dv)
     a = n0
     while a < n1:
@@ -100,10 +100,10 @@ def banded_attention(
         window = slice(s - base, b - base)
         logits = attention_logits(qg[:, :, :, a - n0 : b - n0], cache.k[:, :, window], scale)
         if lo(b - 1) <= s:  # keys before the block are seen by all its queries
-            mask = tri[: b - a, : b - a]
+            hide = future[: b - a, : b - a]
         else:
-            mask = causal_band_mask(pos[a:b], pos[s:b], lo(pos[a:b]))
-        out[:, :, :, a - n0 : b - n0] = attend(logits, cache.v[:, :, window], mask)
+            hide = hidden_outside_band(pos[a:b], pos[s:b], lo(pos[a:b]))
+        out[:, :, :, a - n0 : b - n0] = attend(logits, cache.v[:, :, window], hide)
         a = b
     return ungroup_heads(out), cache.keep_from(max(0, lo(n1)))
 

@@ -7,6 +7,7 @@ updated once per chunk that leaves the window, so the only Python loop runs over
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import torch
@@ -17,10 +18,10 @@ from longkv.attention.core import (
     Dims,
     attend,
     attention_logits,
-    causal_mask,
     check_optional,
     check_qkv,
     group_heads,
+    hidden_future,
     logit_scale,
     ungroup_heads,
 )
@@ -39,10 +40,16 @@ def state_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
 def prep_keys(k: Tensor, config: KVMConfig, weight: Tensor | None, bias: Tensor | None) -> Tensor:
     """prep(k) = LN_s(Z(k)): rotary channels zeroed, then LN_s. k: (..., Dk)."""
     if config.rope_dim:
-        keep = torch.ones(k.shape[-1], dtype=k.dtype, device=k.device)
-        keep[: config.rope_dim] = 0
-        k = k * keep
+        k = k * _non_rotary(k.shape[-1], config.rope_dim, k.dtype, k.device)
     return state_norm(k, weight, bias)
+
+
+@functools.cache
+def _non_rotary(dim: int, rope_dim: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """(dim,) with 0 on the first rope_dim channels and 1 elsewhere (read-only, shared)."""
+    keep = torch.ones(dim, dtype=dtype, device=device)
+    keep[:rope_dim] = 0
+    return keep
 
 
 def founder_r(v: Tensor, config: KVMConfig) -> Tensor:
@@ -112,10 +119,10 @@ def update_state(
         merged = torch.ones_like(g).scatter(2, picked.unsqueeze(-1), 0.0)
         kg, vg = kg * merged, vg * merged
 
-    with torch.no_grad():
-        logits = kg @ read_k.transpose(-1, -2)  # (B, Hkv, C, S)
-        logits[..., : config.sink_len] = float("-inf")
-        dest = logits.max(dim=-1).indices  # (B, Hkv, C), first maximum on ties
+    with torch.no_grad():  # merge targets: the most similar non-sink slot, first on ties
+        sinks = config.sink_len
+        logits = kg @ read_k[:, :, sinks:].transpose(-1, -2)  # (B, Hkv, C, S - sinks)
+        dest = logits.max(dim=-1).indices + sinks  # (B, Hkv, C)
     idx = dest.unsqueeze(-1)
     slot_r = state.slot_r
     if not config.use_vlens:
@@ -207,7 +214,7 @@ def kvm_attention(
     tau_s = None if state_temp is None else state_temp.view(group)
     out = q.new_empty(dims.B, dims.Hkv, dims.groups, dims.T, dims.Dv)
     state_k = None  # LN_s(slot_k) of the slots as they stand, once computed
-    tri = causal_mask(min(C, dims.T), q.device)
+    future = hidden_future(min(C, dims.T), q.device)
     for c in range(n0 // C, (n1 - 1) // C + 1):
         a, b = max(n0, c * C), min(n1, (c + 1) * C)  # this call's queries in chunk c
         lo = max(0, (c - N + 1) * C)  # first window token of chunk c
@@ -228,7 +235,7 @@ def kvm_attention(
         logits = attention_logits(qg[:, :, :, a - n0 : b - n0], keys, scale)  # (.., Lq, S + Lw)
         if tau_w is not None or (tau_s is not None and S):
             logits = logits * _key_temperature(tau_s, tau_w, S, b - lo, q)
-        out[:, :, :, a - n0 : b - n0] = attend(logits, values, tri[: b - a, : b - a])
+        out[:, :, :, a - n0 : b - n0] = attend(logits, values, future[: b - a, : b - a])
     state = replace(state, window=win.keep_from(window_start(config, n1)))
     return ungroup_heads(out), state
 
