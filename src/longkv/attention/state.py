@@ -10,7 +10,7 @@ from torch import Tensor
 from longkv.attention.core import Dims
 
 
-@dataclass
+@dataclass(frozen=True)
 class WindowCache:
     """Keys, values (and optional per-token gates) of tokens [seen - L, seen).
 

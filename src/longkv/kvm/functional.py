@@ -223,11 +223,9 @@ def kvm_attention(
         S = 0
         if c >= N:
             if cov < lo:  # the chunk [cov, cov + C) left the window at this chunk's start
-                block = slice(cov - base, cov - base + C)
-                state = update_state(
-                    state, win.k[:, :, block], win.v[:, :, block], win.g[:, :, block], cov,
-                    norm_weight, norm_bias, state_k,
-                )  # fmt: skip
+                blk = slice(cov - base, cov - base + C)
+                k_b, v_b, g_b = win.k[:, :, blk], win.v[:, :, blk], win.g[:, :, blk]
+                state = update_state(state, k_b, v_b, g_b, cov, norm_weight, norm_bias, state_k)
                 cov = lo
             state_k, state_v = read_state(state, norm_weight, norm_bias)
             S = state.num_slots

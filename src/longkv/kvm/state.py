@@ -26,7 +26,7 @@ def covered(config: KVMConfig, seen: int) -> int:
     return max(min(seen, config.chunk_len), window_start(config, seen))
 
 
-@dataclass
+@dataclass(frozen=True)
 class KVMState:
     """State carried between calls of `kvm_attention`.
 
