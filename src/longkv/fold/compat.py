@@ -1,0 +1,39 @@
+"""The one place that knows how transformers names its cache argument.
+
+transformers 5.24 renamed the `past_key_values` argument and output field of causal LMs to
+`cache` (the old name warns until 5.40); 5.4 removed `cache_position`, so positions travel
+only as `position_ids`. longkv supports transformers >= 5.4 and < 5.40 and is tested on the
+version pinned in constraints.txt.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import transformers
+from packaging.version import Version
+from torch import Tensor, nn
+from transformers import DynamicCache
+from transformers.cache_utils import Cache
+
+TRANSFORMERS_VERSION = Version(transformers.__version__)
+CACHE_ARG = "cache" if TRANSFORMERS_VERSION >= Version("5.24") else "past_key_values"
+
+
+def new_cache(model: nn.Module) -> Cache:
+    """An empty cache laid out for the model (sliding-window layers keep their own window)."""
+    return DynamicCache(config=model.config)
+
+
+def accepts_cache(model: nn.Module) -> bool:
+    """Whether the model's forward takes a cache and explicit position ids."""
+    params = inspect.signature(model.forward).parameters
+    return CACHE_ARG in params and "position_ids" in params
+
+
+def forward(model: nn.Module, input_ids: Tensor, position_ids: Tensor, cache: Cache) -> Tensor:
+    """Logits (B, L, V) of input_ids (B, L) at position_ids (B, L); `cache` grows in place."""
+    out = model(
+        input_ids=input_ids, position_ids=position_ids, use_cache=True, **{CACHE_ARG: cache}
+    )
+    return out.logits
