@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup run test lint bench
+.PHONY: setup run test lint
 
 $(BIN)/longkv: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)

@@ -29,13 +29,15 @@ class FoldResult:
     the last logit of the one before); cache: the folded cache, to continue generating;
     last_logits: (B, V) logits after the last token; chunk_seconds: wall time per chunk;
     peak_memory_bytes: the run's peak memory above the level before it (CUDA allocator peak, or
-    resident-set rise on CPU; None when not measured); logits: (B, T, V) when asked for.
+    resident-set rise on CPU; None when not measured); next_position: the position of the next
+    token (T plus any earlier cache and inserted prefixes); logits: (B, T, V) when asked for.
     """
 
     nll: Tensor
     cache: Cache
     last_logits: Tensor
     chunk_size: int
+    next_position: int
     chunk_seconds: list[float] = field(default_factory=list)
     peak_memory_bytes: int | None = None
     logits: Tensor | None = None
@@ -157,6 +159,7 @@ def kv_fold(
             cache=cache,
             last_logits=prev_last,
             chunk_size=chunk_size,
+            next_position=pos,
             chunk_seconds=seconds,
             logits=torch.cat(kept, dim=1) if return_logits else None,
         )

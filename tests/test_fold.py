@@ -1,0 +1,160 @@
+"""KV-Fold on tiny random Hugging Face models: the fold equals one full forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from longkv.fold import fold_generate, kv_fold
+
+V, T = 97, 100
+SHAPE = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
+HEADS = dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+
+def tiny(arch: str) -> PreTrainedModel:
+    """A randomly initialised float32 model of the given family (no download)."""
+    torch.manual_seed(0)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**SHAPE, **HEADS))
+    elif arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**SHAPE, **HEADS))
+    elif arch == "mistral":  # a sliding window shorter than the input
+        model = MistralForCausalLM(MistralConfig(**SHAPE, **HEADS, sliding_window=24))
+    elif arch == "gemma3":  # sliding-window layers beside global ones
+        config = Gemma3TextConfig(
+            **SHAPE, **HEADS, head_dim=8, sliding_window=16,
+            layer_types=["sliding_attention", "full_attention"],
+        )  # fmt: skip
+        model = Gemma3ForCausalLM(config)
+    elif arch == "gpt2":
+        model = GPT2LMHeadModel(
+            GPT2Config(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=256)
+        )
+    else:
+        raise KeyError(arch)
+    return model.eval()
+
+
+ARCHS = ["llama", "qwen2", "mistral", "gemma3", "gpt2"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("chunk", [1, 7, 64, 30])
+def test_fold_equals_full_forward(arch: str, chunk: int) -> None:
+    model = tiny(arch)
+    ids = torch.randint(0, V, (2, T), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(ids).logits
+    fold = kv_fold(model, ids, chunk, return_logits=True, measure_memory=False)
+    assert fold.logits is not None
+    assert (fold.logits - full).abs().max().item() <= 1e-5
+    nll = F.cross_entropy(full[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")
+    assert (fold.nll - nll).abs().max().item() <= 1e-5
+    assert (fold.last_logits - full[:, -1]).abs().max().item() <= 1e-5
+    assert len(fold.chunk_seconds) == -(-T // chunk)
+    assert fold.cache.get_seq_length() == T
+
+
+def test_a_fold_continues_from_its_cache() -> None:
+    model = tiny("llama")
+    ids = torch.randint(0, V, (2, T), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = model(ids).logits
+    first = kv_fold(model, ids[:, :37], 10, return_logits=True, measure_memory=False)
+    rest = kv_fold(
+        model, ids[:, 37:], 16, cache=first.cache, return_logits=True, measure_memory=False
+    )
+    assert first.logits is not None and rest.logits is not None
+    assert (torch.cat([first.logits, rest.logits], 1) - full).abs().max().item() <= 1e-5
+    assert rest.next_position == T
+
+
+def test_prefix_is_inserted_before_every_chunk() -> None:
+    """With a per-chunk prefix the fold is the full forward over [p, c0, p, c1, ...]."""
+    model = tiny("qwen2")
+    ids = torch.randint(2, V, (2, 45), generator=torch.Generator().manual_seed(3))
+    bos = torch.tensor([1])
+    stream = torch.cat([torch.cat([bos.expand(2, 1), c], 1) for c in ids.split(20, 1)], 1)
+    with torch.no_grad():
+        full = model(stream).logits
+    nll = F.cross_entropy(full[:, :-1].transpose(1, 2), stream[:, 1:], reduction="none")
+    real = torch.ones(stream.shape[1], dtype=torch.bool)
+    real[[0, 21, 42]] = False  # where the prefix sits in the stream
+    scored = real[1:].clone()
+    scored[0] = False  # input token 0 is never scored
+    fold = kv_fold(model, ids, 20, prefix_ids=bos, return_logits=True, measure_memory=False)
+    assert (fold.nll - nll[:, scored]).abs().max().item() <= 1e-5
+    assert fold.logits is not None and (fold.logits - full[:, real]).abs().max().item() <= 1e-5
+    assert fold.next_position == stream.shape[1]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_greedy_generation_from_a_folded_cache_equals_generate(arch: str) -> None:
+    model = tiny(arch)
+    model.generation_config.eos_token_id = None  # compare 12 free greedy tokens
+    ids = torch.randint(0, V, (2, 60), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ref = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False
+        )
+    out = fold_generate(model, ids, 7, max_new_tokens=12)
+    assert torch.equal(out, ref[:, 60:])
+
+
+def test_generation_stops_rows_at_eos() -> None:
+    model = tiny("llama")
+    ids = torch.randint(0, V, (2, 20), generator=torch.Generator().manual_seed(5))
+    free = fold_generate(model, ids, 8, max_new_tokens=6)
+    eos = int(free[0, 2])
+    out = fold_generate(model, ids, 8, max_new_tokens=6, eos_token_id=eos)
+    assert torch.all(out[0, 2:] == eos)
+
+
+def test_peak_memory_and_times_are_reported() -> None:
+    model = tiny("llama")
+    ids = torch.randint(0, V, (1, T))
+    fold = kv_fold(model, ids, 25)
+    assert fold.peak_memory_bytes is not None and fold.peak_memory_bytes >= 0
+    assert len(fold.chunk_seconds) == 4 and fold.seconds > 0
+    assert fold.chunk_nll().shape == (4,) and torch.isfinite(fold.chunk_nll()).all()
+
+
+def test_models_and_inputs_that_cannot_be_folded_are_refused() -> None:
+    gpt2, llama = tiny("gpt2"), tiny("llama")
+    long = torch.randint(0, V, (1, 300))
+    with pytest.raises(
+        ValueError, match="300 tokens exceed the model's max_position_embeddings = 256; its learned"
+    ):
+        kv_fold(gpt2, long, 64, allow_extrapolation=True)
+    with pytest.raises(ValueError, match="allow_extrapolation=True"):
+        kv_fold(llama, long, 64)
+    assert kv_fold(llama, long, 64, allow_extrapolation=True, measure_memory=False).nll.shape == (
+        1,
+        299,
+    )
+    with pytest.raises(ValueError, match="chunk_size: must be an int >= 1"):
+        kv_fold(llama, long, 0)
+    with pytest.raises(ValueError, match=r"input_ids: expected \(batch, tokens\)"):
+        kv_fold(llama, long[0], 8)
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    t5 = T5ForConditionalGeneration(
+        T5Config(vocab_size=V, d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8)
+    )
+    with pytest.raises(ValueError, match="encoder-decoder"):
+        kv_fold(t5, long[:, :10], 4)
