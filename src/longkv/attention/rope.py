@@ -17,13 +17,17 @@ def rope_angles(positions: Tensor, rope_dim: int, base: float = 10000.0) -> tupl
     return angles.cos(), angles.sin()
 
 
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate the first R channels of x (..., T, D) by angles given as cos, sin (T, R)."""
+    R = cos.shape[-1]
+    rot, rest = x[..., :R], x[..., R:]
+    half = R // 2
+    rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+    return torch.cat([rot * cos.to(x.dtype) + rotated * sin.to(x.dtype), rest], dim=-1)
+
+
 def apply_rope(x: Tensor, positions: Tensor, rope_dim: int, base: float = 10000.0) -> Tensor:
     """Rotate the first rope_dim channels of x (B, H, T, D) by their absolute positions (T,)."""
     if rope_dim == 0:
         return x
-    cos, sin = rope_angles(positions, rope_dim, base)
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    rot, rest = x[..., :rope_dim], x[..., rope_dim:]
-    half = rope_dim // 2
-    rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
-    return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
+    return rotate(x, *rope_angles(positions, rope_dim, base))

@@ -1,6 +1,17 @@
-"""KV-Fold: frozen Hugging Face causal LMs over long inputs, chunk by chunk."""
+"""KV-Fold: frozen Hugging Face causal LMs over long inputs, chunk by chunk; StreamingLLM."""
 
-from longkv.fold.fold import FoldResult, check_foldable, kv_fold
+from longkv.fold.fold import FoldResult, FoldRunner, check_foldable, kv_fold
 from longkv.fold.generate import fold_generate, greedy_decode
+from longkv.fold.streaming import StreamingRunner, streaming_generate, streaming_llm
 
-__all__ = ["FoldResult", "check_foldable", "fold_generate", "greedy_decode", "kv_fold"]
+__all__ = [
+    "FoldResult",
+    "FoldRunner",
+    "StreamingRunner",
+    "check_foldable",
+    "fold_generate",
+    "greedy_decode",
+    "kv_fold",
+    "streaming_generate",
+    "streaming_llm",
+]

@@ -9,6 +9,7 @@ the activations held at once.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -20,17 +21,19 @@ from transformers.cache_utils import Cache
 from longkv.bench.memory import peak_memory
 from longkv.fold import compat
 
+Forward = Callable[[Tensor], Tensor]  # token ids (B, L) -> logits (B, L, V), advancing a cache
+
 
 @dataclass
 class FoldResult:
-    """What a fold returns.
+    """What a fold (or a streaming run) returns.
 
     nll: (B, T - 1) float32 NLL of tokens 1..T-1, each scored once (the first token of a chunk by
-    the last logit of the one before); cache: the folded cache, to continue generating;
-    last_logits: (B, V) logits after the last token; chunk_seconds: wall time per chunk;
-    peak_memory_bytes: the run's peak memory above the level before it (CUDA allocator peak, or
-    resident-set rise on CPU; None when not measured); next_position: the position of the next
-    token (T plus any earlier cache and inserted prefixes); logits: (B, T, V) when asked for.
+    the last logit of the one before); cache: the cache after the run, to continue generating;
+    last_logits: (B, V) logits after the last token; next_position: the position the next token
+    takes; chunk_seconds: wall time per chunk; peak_memory_bytes: the run's peak memory above the
+    level before it (CUDA allocator peak, or resident-set rise on CPU; None when not measured);
+    logits: (B, T, V) when asked for.
     """
 
     nll: Tensor
@@ -50,12 +53,27 @@ class FoldResult:
     def chunk_nll(self) -> Tensor:
         """(n_chunks,) mean NLL of each chunk's scored tokens over the batch (not token 0)."""
         padded = torch.cat([self.nll.new_full((self.nll.shape[0], 1), float("nan")), self.nll], 1)
-        chunks = padded.split(self.chunk_size, dim=1)
-        return torch.stack([c.nanmean() for c in chunks])
+        return torch.stack([c.nanmean() for c in padded.split(self.chunk_size, dim=1)])
+
+
+class FoldRunner:
+    """The fold's accumulator: a cache and the absolute position of the next token."""
+
+    def __init__(self, model: nn.Module, cache: Cache | None = None, position: int | None = None):
+        self.model = model
+        self.cache = compat.new_cache(model) if cache is None else cache
+        self.position = self.cache.get_seq_length() if position is None else position
+
+    def forward(self, ids: Tensor) -> Tensor:
+        """Logits (B, L, V) of ids (B, L) at the next L positions; the cache grows."""
+        B, L = ids.shape
+        pos = torch.arange(self.position, self.position + L, device=ids.device).expand(B, L)
+        self.position += L
+        return compat.forward(self.model, ids, pos, self.cache)
 
 
 def check_foldable(model: nn.Module, T: int, *, allow_extrapolation: bool = False) -> None:
-    """Raise ValueError if the model cannot be folded correctly over T tokens."""
+    """Raise ValueError if the model cannot be folded correctly over T positions."""
     config = model.config
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(
@@ -82,8 +100,76 @@ def check_foldable(model: nn.Module, T: int, *, allow_extrapolation: bool = Fals
         )
 
 
-def _positions(start: int, length: int, batch: int, device: torch.device) -> Tensor:
-    return torch.arange(start, start + length, device=device).expand(batch, length)
+def check_input(input_ids: Tensor, chunk_size: int) -> None:
+    """Raise ValueError unless input_ids is (B, T >= 1) and chunk_size an int >= 1."""
+    if input_ids.dim() != 2 or input_ids.shape[1] < 1:
+        raise ValueError(
+            f"input_ids: expected (batch, tokens) with tokens >= 1, got {tuple(input_ids.shape)}"
+        )
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size: must be an int >= 1, got {chunk_size!r}")
+
+
+def score_chunks(
+    forward: Forward,
+    input_ids: Tensor,
+    chunk_size: int,
+    prefix_ids: Tensor | None = None,
+    *,
+    return_logits: bool = False,
+    progress: bool = False,
+    desc: str = "fold",
+) -> tuple[Tensor, Tensor, list[float], Tensor | None]:
+    """Feed input_ids (B, T) chunk by chunk through `forward`, each chunk after prefix_ids (P,).
+
+    Returns (nll (B, T - 1), last logits (B, V), seconds per chunk, logits (B, T, V) or None).
+    The logit before chunk token j is the last logit of the previous chunk (j = 0, no prefix)
+    or the one at position P - 1 + j of this chunk's forward.
+    """
+    B, T = input_ids.shape
+    prefix = input_ids.new_zeros(0) if prefix_ids is None else prefix_ids.to(input_ids.device)
+    P = prefix.numel()
+    nll = torch.empty(B, T - 1, dtype=torch.float32, device=input_ids.device)
+    kept: list[Tensor] = []
+    seconds: list[float] = []
+    last: Tensor | None = None
+    n_chunks = -(-T // chunk_size)
+    with torch.inference_mode():
+        for t in tqdm(range(n_chunks), desc=desc, unit="chunk", disable=not progress):
+            t0 = time.perf_counter()
+            chunk = input_ids[:, t * chunk_size : (t + 1) * chunk_size]
+            L = chunk.shape[1]
+            logits = forward(torch.cat([prefix.view(1, P).expand(B, P), chunk], dim=1))
+            if P:
+                pred, first = logits[:, P - 1 : P - 1 + L], 0
+            elif last is not None:
+                pred, first = torch.cat([last[:, None], logits[:, : L - 1]], dim=1), 0
+            else:
+                pred, first = logits[:, : L - 1], 1
+            if t == 0 and first == 0:  # token 0 of the input is never scored
+                pred, first = pred[:, 1:], 1
+            g = t * chunk_size + first  # absolute index of the first scored token
+            token_nll = F.cross_entropy(
+                pred.float().transpose(1, 2), chunk[:, first:], reduction="none"
+            )
+            nll[:, g - 1 : g - 1 + token_nll.shape[1]] = token_nll
+            last = logits[:, -1]
+            if return_logits:
+                kept.append(logits[:, P:])
+            if input_ids.device.type == "cuda":
+                torch.cuda.synchronize(input_ids.device)
+            seconds.append(time.perf_counter() - t0)
+    assert last is not None
+    return nll, last, seconds, torch.cat(kept, dim=1) if return_logits else None
+
+
+def measured(run: Callable[[], FoldResult], device: torch.device, measure: bool) -> FoldResult:
+    """run(), with its peak memory recorded when asked."""
+    if not measure:
+        return run()
+    result, peak = peak_memory(run, device)
+    result.peak_memory_bytes = peak
+    return result
 
 
 def kv_fold(
@@ -105,67 +191,29 @@ def kv_fold(
     [prefix, chunk 0, prefix, chunk 1, ...]; only the input tokens are scored.
     cache: continue an earlier fold (its length is the position of input_ids[:, 0]).
     """
-    if input_ids.dim() != 2 or input_ids.shape[1] < 1:
-        raise ValueError(
-            f"input_ids: expected (batch, tokens) with tokens >= 1, got {tuple(input_ids.shape)}"
-        )
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size: must be an int >= 1, got {chunk_size!r}")
-    B, T = input_ids.shape
-    device = input_ids.device
-    prefix = input_ids.new_zeros(0) if prefix_ids is None else prefix_ids.to(device).view(-1)
-    P = prefix.numel()
-    n_chunks = -(-T // chunk_size)
-    cache = compat.new_cache(model) if cache is None else cache
-    start = cache.get_seq_length()
-    check_foldable(model, start + T + P * n_chunks, allow_extrapolation=allow_extrapolation)
+    check_input(input_ids, chunk_size)
+    runner = FoldRunner(model, cache)
+    P = 0 if prefix_ids is None else prefix_ids.numel()
+    T = input_ids.shape[1]
+    check_foldable(
+        model,
+        runner.position + T + P * -(-T // chunk_size),
+        allow_extrapolation=allow_extrapolation,
+    )
 
     def run() -> FoldResult:
-        nll = torch.empty(B, T - 1, dtype=torch.float32, device=device)
-        kept: list[Tensor] = []
-        seconds: list[float] = []
-        prev_last: Tensor | None = None
-        pos = start
-        with torch.inference_mode():
-            for t in tqdm(range(n_chunks), desc="fold", unit="chunk", disable=not progress):
-                t0 = time.perf_counter()
-                chunk = input_ids[:, t * chunk_size : (t + 1) * chunk_size]
-                L = chunk.shape[1]
-                ids = torch.cat([prefix.expand(B, P), chunk], dim=1)
-                logits = compat.forward(model, ids, _positions(pos, P + L, B, device), cache)
-                pos += P + L
-                if P:  # the logit before chunk token j is at P - 1 + j
-                    pred, first = logits[:, P - 1 : P - 1 + L], 0
-                elif prev_last is not None:  # chunk token 0 is scored by the last chunk
-                    pred, first = torch.cat([prev_last[:, None], logits[:, : L - 1]], dim=1), 0
-                else:
-                    pred, first = logits[:, : L - 1], 1
-                if t == 0 and first == 0:  # token 0 of the input is never scored
-                    pred, first = pred[:, 1:], 1
-                g = t * chunk_size + first  # absolute index of the first scored token
-                token_nll = F.cross_entropy(
-                    pred.float().transpose(1, 2), chunk[:, first:], reduction="none"
-                )
-                nll[:, g - 1 : g - 1 + token_nll.shape[1]] = token_nll
-                prev_last = logits[:, -1]
-                if return_logits:
-                    kept.append(logits[:, P:])
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                seconds.append(time.perf_counter() - t0)
-        assert prev_last is not None
+        nll, last, seconds, logits = score_chunks(
+            runner.forward, input_ids, chunk_size, prefix_ids,
+            return_logits=return_logits, progress=progress,
+        )  # fmt: skip
         return FoldResult(
             nll=nll,
-            cache=cache,
-            last_logits=prev_last,
+            cache=runner.cache,
+            last_logits=last,
             chunk_size=chunk_size,
-            next_position=pos,
+            next_position=runner.position,
             chunk_seconds=seconds,
-            logits=torch.cat(kept, dim=1) if return_logits else None,
+            logits=logits,
         )
 
-    if not measure_memory:
-        return run()
-    result, peak = peak_memory(run, device)
-    result.peak_memory_bytes = peak
-    return result
+    return measured(run, input_ids.device, measure_memory)

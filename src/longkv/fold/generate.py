@@ -4,29 +4,21 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
-from transformers.cache_utils import Cache
 
-from longkv.fold import compat
-from longkv.fold.fold import kv_fold
+from longkv.fold.fold import FoldRunner, Forward, kv_fold
 
 
 def greedy_decode(
-    model: nn.Module,
-    cache: Cache,
-    logits: Tensor,
-    position: int,
-    max_new_tokens: int,
-    eos_token_id: int | None = None,
+    forward: Forward, logits: Tensor, max_new_tokens: int, eos_token_id: int | None = None
 ) -> Tensor:
-    """Greedy tokens (B, n <= max_new_tokens) continuing a cache.
+    """Greedy tokens (B, n <= max_new_tokens) continuing whatever `forward` carries.
 
-    logits: (B, V) after the last cached token; position: the next token's position. A row that
+    logits: (B, V) after the last token fed; forward: ids (B, 1) -> logits (B, 1, V). A row that
     emitted eos_token_id keeps emitting it; decoding stops when every row has.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
-    B = logits.shape[0]
-    done = torch.zeros(B, dtype=torch.bool, device=logits.device)
+    done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
     tokens = []
     with torch.inference_mode():
         for i in range(max_new_tokens):
@@ -37,8 +29,7 @@ def greedy_decode(
             tokens.append(nxt)
             if i + 1 == max_new_tokens or bool(done.all()):
                 break
-            pos = torch.full((B, 1), position + i, device=logits.device)
-            logits = compat.forward(model, nxt[:, None], pos, cache)[:, -1]
+            logits = forward(nxt[:, None])[:, -1]
     return torch.stack(tokens, dim=1)
 
 
@@ -63,6 +54,5 @@ def fold_generate(
         allow_extrapolation=allow_extrapolation,
         progress=progress,
     )
-    return greedy_decode(
-        model, fold.cache, fold.last_logits, fold.next_position, max_new_tokens, eos_token_id
-    )
+    runner = FoldRunner(model, fold.cache, fold.next_position)
+    return greedy_decode(runner.forward, fold.last_logits, max_new_tokens, eos_token_id)
