@@ -158,3 +158,20 @@ def test_models_and_inputs_that_cannot_be_folded_are_refused() -> None:
     )
     with pytest.raises(ValueError, match="encoder-decoder"):
         kv_fold(t5, long[:, :10], 4)
+
+
+def test_drift_is_numerical_for_an_exact_fold_and_structural_with_a_prefix(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from longkv.fold.drift import drift_table, measure_drift, plot_drift
+
+    model = tiny("llama")
+    ids = torch.randint(2, V, (2, T), generator=torch.Generator().manual_seed(6))
+    exact = measure_drift(model, ids, 16)
+    bos = measure_drift(model, ids, 16, prefix_ids=torch.tensor([1]), prefix_name="bos")
+    assert len(exact.drift) == len(bos.drift) == 7
+    assert max(abs(d) for d in exact.drift) <= 1e-5
+    assert abs(exact.drift[0]) <= 1e-6  # the first chunk is the same computation
+    assert max(abs(d) for d in bos.drift[1:]) > 1e-3  # the inserted tokens change the context
+    table = drift_table([exact, bos])
+    assert "| 16 | float32 | bos | 7 |" in table
+    plot_drift([exact, bos], tmp_path / "drift.png", "tiny llama")
+    assert (tmp_path / "drift.png").read_bytes()[:4] == b"\x89PNG"

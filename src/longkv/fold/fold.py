@@ -52,8 +52,13 @@ class FoldResult:
 
     def chunk_nll(self) -> Tensor:
         """(n_chunks,) mean NLL of each chunk's scored tokens over the batch (not token 0)."""
-        padded = torch.cat([self.nll.new_full((self.nll.shape[0], 1), float("nan")), self.nll], 1)
-        return torch.stack([c.nanmean() for c in padded.split(self.chunk_size, dim=1)])
+        return chunk_means(self.nll, self.chunk_size)
+
+
+def chunk_means(nll: Tensor, chunk_size: int) -> Tensor:
+    """Mean of token NLL (B, T - 1) (tokens 1..T-1) per chunk of chunk_size input tokens."""
+    padded = torch.cat([nll.new_full((nll.shape[0], 1), float("nan")), nll], dim=1)
+    return torch.stack([c.nanmean() for c in padded.split(chunk_size, dim=1)])
 
 
 class FoldRunner:

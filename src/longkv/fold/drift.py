@@ -1,0 +1,110 @@
+"""Drift of the fold against one full forward (spec kvfold.md section 2).
+
+drift(t) = mean NLL of chunk t's tokens under the fold - the same under one full-attention
+forward over the whole sequence, both in the same dtype. An exact fold shows only numerical
+differences; a per-chunk prefix (e.g. a BOS re-inserted at each chunk start) is the structural
+perturbation worth comparing against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from longkv.fold.fold import chunk_means, kv_fold
+
+
+@dataclass(frozen=True)
+class DriftResult:
+    """Per-chunk NLL of the fold and of the full forward, and their difference (nats)."""
+
+    chunk_size: int
+    dtype: str
+    prefix: str
+    fold_nll: list[float]
+    full_nll: list[float]
+
+    @property
+    def drift(self) -> list[float]:
+        return [f - r for f, r in zip(self.fold_nll, self.full_nll, strict=True)]
+
+    @property
+    def mean_abs_drift(self) -> float:
+        return sum(abs(d) for d in self.drift) / len(self.drift)
+
+
+def measure_drift(
+    model: nn.Module,
+    input_ids: Tensor,
+    chunk_size: int,
+    dtype: torch.dtype = torch.float32,
+    *,
+    prefix_ids: Tensor | None = None,
+    prefix_name: str = "none",
+    allow_extrapolation: bool = False,
+    progress: bool = False,
+) -> DriftResult:
+    """Per-chunk drift of a fold of input_ids (B, T) with the model cast to dtype."""
+    model = model.to(dtype)
+    T = input_ids.shape[1]
+    options = dict(measure_memory=False, allow_extrapolation=allow_extrapolation)
+    full = kv_fold(model, input_ids, T, **options)  # one chunk = one full forward
+    fold = kv_fold(
+        model, input_ids, chunk_size, prefix_ids=prefix_ids, progress=progress, **options
+    )
+    return DriftResult(
+        chunk_size=chunk_size,
+        dtype=str(dtype).removeprefix("torch."),
+        prefix=prefix_name,
+        fold_nll=fold.chunk_nll().tolist(),
+        full_nll=chunk_means(full.nll, chunk_size).tolist(),
+    )
+
+
+def drift_table(results: list[DriftResult]) -> str:
+    """Markdown: one row per run, drift per chunk depth summarised."""
+    lines = [
+        "| chunk | dtype | prefix | chunks | mean abs drift | max abs drift | "
+        "drift at chunks 1, 2, 4, last |",
+        "|---:|---|---|---:|---:|---:|---|",
+    ]
+    for r in results:
+        d = r.drift
+        picks = [d[i] for i in (1, 2, 4) if i < len(d)] + [d[-1]]
+        lines.append(
+            f"| {r.chunk_size} | {r.dtype} | {r.prefix} | {len(d)} | {r.mean_abs_drift:.2e} | "
+            f"{max(abs(x) for x in d):.2e} | {', '.join(f'{x:+.1e}' for x in picks)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot_drift(results: list[DriftResult], path: Path, title: str) -> None:
+    """Drift against chunk index, one line per run (symmetric log scale)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for r in results:
+        ax.plot(
+            range(len(r.drift)),
+            r.drift,
+            marker=".",
+            label=f"C={r.chunk_size} {r.dtype} prefix={r.prefix}",
+        )
+    ax.set_yscale("symlog", linthresh=1e-5)
+    ax.axhline(0, color="black", linewidth=0.5)
+    ax.set_xlabel("chunk index (depth)")
+    ax.set_ylabel("drift: fold NLL - full NLL (nats)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
