@@ -9,12 +9,7 @@ chunk's worth by default, so KVM's once-per-chunk state update is included at it
 from __future__ import annotations
 
 import json
-import os
-import platform
-import shlex
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -27,6 +22,7 @@ from tqdm import tqdm
 
 from longkv.attention import block_sliding_window_attention, full_attention
 from longkv.bench.memory import keep_freed_heap, peak_memory
+from longkv.bench.report import provenance, provenance_lines, write_atomic
 from longkv.kvm import KVMConfig, kvm_attention
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -187,36 +183,6 @@ def ratios(r: BenchResult) -> dict[str, dict[str, Any]]:
     return out
 
 
-def provenance(argv: list[str] | None) -> dict[str, Any]:
-    """Command, commit and machine, recorded next to every result."""
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = bool(
-            subprocess.run(
-                ["git", "status", "--porcelain", "--untracked-files=no"],
-                capture_output=True, text=True, check=True,
-            ).stdout.strip()
-        )  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        commit, dirty = "unknown", False
-    return {
-        "command": shlex.join(["longkv", *(sys.argv[1:] if argv is None else argv)]),
-        "commit": commit + ("+dirty" if dirty else ""),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "cuda_device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        },
-    }
-
-
 def run(s: BenchSettings, argv: list[str] | None = None) -> BenchResult:
     """Measure every method at every length, with a progress bar."""
     steps = method_steps(s)
@@ -286,15 +252,11 @@ def plot(r: BenchResult, path: Path) -> None:
 
 def markdown(r: BenchResult) -> str:
     """The run as a markdown page: what was run, where, the measurements and the ratios."""
-    p, s, m = r.provenance, r.settings, r.provenance["machine"]
+    p, s = r.provenance, r.settings
     lines = [
         "# longkv bench kvm",
         "",
-        f"- command: `{p['command']}`",
-        f"- commit: `{p['commit']}`, run {p['date']}",
-        f"- machine: {m['platform']}, {m['processor']}, {m['cpu_count']} CPUs, "
-        f"{m['torch_threads']} torch threads, torch {m['torch']}, Python {m['python']}"
-        + (f", {m['cuda_device']}" if m["cuda_device"] else ""),
+        *provenance_lines(p),
         f"- settings: B={s.batch} H={s.heads} D={s.head_dim} {s.dtype} on {s.device}, "
         f"C={s.chunk_len} N={s.window_chunks}, median of {s.repeats} prefills, decode mean of "
         f"{s.n_decode} tokens, heap kept: {p.get('heap_kept')}",
@@ -314,12 +276,6 @@ def markdown(r: BenchResult) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
 def save(r: BenchResult) -> list[Path]:
     """Write <out_dir>/<name>.json, .md and .png atomically; return their paths."""
     out = Path(r.settings.out_dir)
@@ -332,8 +288,8 @@ def save(r: BenchResult) -> list[Path]:
         "ratios": r.ratios,
     }
     paths = [stem.with_suffix(".json"), stem.with_suffix(".md"), stem.with_suffix(".png")]
-    _write_atomic(paths[0], json.dumps(payload, indent=2) + "\n")
-    _write_atomic(paths[1], markdown(r))
+    write_atomic(paths[0], json.dumps(payload, indent=2) + "\n")
+    write_atomic(paths[1], markdown(r))
     tmp_png = stem.with_suffix(".tmp.png")
     plot(r, tmp_png)
     tmp_png.replace(paths[2])

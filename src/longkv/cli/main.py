@@ -1,4 +1,4 @@
-"""`longkv` entry point: `longkv bench kvm [options]`."""
+"""`longkv` entry point: `longkv bench kvm`, `longkv fold`, `longkv drift`."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from longkv.bench import kvm as bench_kvm
+from longkv.cli import fold as fold_commands
 
 
 def _bench_kvm_parser(sub: argparse._SubParsersAction) -> None:
@@ -75,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     bench = commands.add_parser("bench", help="speed and memory benchmarks")
     _bench_kvm_parser(bench.add_subparsers(dest="bench", required=True))
+    fold_commands.add_parsers(commands)
     return parser
 
 
@@ -84,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args, argv)
-    except ValueError as err:
+    except (ValueError, FileNotFoundError) as err:
         print(f"longkv: error: {err}", file=sys.stderr)
         return 2
 

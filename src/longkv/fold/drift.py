@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from longkv.fold.fold import chunk_means, kv_fold
+from longkv.fold.fold import FoldResult, chunk_means, kv_fold
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,16 @@ def measure_drift(
         fold_nll=fold.chunk_nll().tolist(),
         full_nll=chunk_means(full.nll, chunk_size).tolist(),
     )
+
+
+def full_forward(
+    model: nn.Module, input_ids: Tensor, allow_extrapolation: bool = False
+) -> FoldResult:
+    """One full causal forward over input_ids (B, T): a fold with a single chunk."""
+    return kv_fold(
+        model, input_ids, input_ids.shape[1],
+        measure_memory=False, allow_extrapolation=allow_extrapolation,
+    )  # fmt: skip
 
 
 def drift_table(results: list[DriftResult]) -> str:

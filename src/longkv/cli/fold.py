@@ -1,0 +1,140 @@
+"""`longkv fold` and `longkv drift`: KV-Fold on a pretrained model over corpus text."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from longkv.bench.report import provenance, provenance_lines, write_atomic
+from longkv.data.corpus import DEFAULT_TEXT, text_tokens
+from longkv.fold.compare import compare_methods, markdown_rows
+from longkv.fold.drift import drift_table, full_forward, measure_drift, plot_drift
+from longkv.models.pretrained import DEFAULT_MODEL, load_pretrained
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """--model, --device, --text, --corpus-dir, --tokens, --out-dir: shared by the fold commands."""
+    p.add_argument("--model", default=DEFAULT_MODEL, help="local path, hub id, or smollm2")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--tokens", type=int, default=8192, help="tokens of corpus text per run")
+    p.add_argument("--text", default=DEFAULT_TEXT, help="corpus file to read the tokens from")
+    p.add_argument("--corpus-dir", default=None, help="default: ../shared/data/corpus")
+    p.add_argument("--out-dir", default="results")
+
+
+def _tokens(args: argparse.Namespace, tokenizer: Any) -> torch.Tensor:
+    ids = text_tokens(tokenizer, args.tokens, args.text, args.corpus_dir)
+    return torch.tensor([ids], device=args.device)
+
+
+def add_parsers(commands: argparse._SubParsersAction) -> None:
+    """Register `fold` and `drift`."""
+    fold = commands.add_parser(
+        "fold",
+        help="fold a pretrained model over corpus text; time, memory and NLL against full",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_model_args(fold)
+    fold.add_argument("--chunk-size", type=int, default=1024)
+    fold.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    fold.add_argument(
+        "--methods", nargs="+", choices=["full", "fold", "streaming"], default=["full", "fold"]
+    )
+    fold.add_argument("--repeats", type=int, default=1, help="timed runs per method (median)")
+    fold.add_argument("--sinks", type=int, default=4, help="StreamingLLM sink tokens")
+    fold.add_argument("--window", type=int, default=1020, help="StreamingLLM recent tokens")
+    fold.add_argument("--stream-chunk", type=int, default=64, help="StreamingLLM chunk (1 = exact)")
+    fold.add_argument("--name", default=None, help="result file stem (default fold_<tokens>)")
+    fold.set_defaults(func=run_fold)
+
+    drift = commands.add_parser(
+        "drift",
+        help="per-chunk drift of the fold against one full forward, as a table and a PNG",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_model_args(drift)
+    drift.add_argument("--chunk-sizes", type=int, nargs="+", default=[256, 512, 1024])
+    drift.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"])
+    drift.add_argument("--prefixes", nargs="+", choices=["none", "bos"], default=["none", "bos"])
+    drift.add_argument("--name", default=None, help="result file stem (default drift_<tokens>)")
+    drift.set_defaults(func=run_drift)
+
+
+def run_fold(args: argparse.Namespace, argv: list[str]) -> int:
+    model, tokenizer = load_pretrained(args.model, DTYPES[args.dtype], args.device)
+    ids = _tokens(args, tokenizer)
+    report = compare_methods(
+        model, ids, args.chunk_size, methods=tuple(args.methods), repeats=args.repeats,
+        sinks=args.sinks, window=args.window, stream_chunk=args.stream_chunk,
+    )  # fmt: skip
+    report = {"provenance": provenance(argv), "settings": vars_of(args), **report}
+    stem = Path(args.out_dir) / (args.name or f"fold_{args.tokens}")
+    page = [
+        f"# longkv fold: {args.model}, {args.tokens} tokens of {args.text}, {args.dtype}",
+        "",
+        *provenance_lines(report["provenance"]),
+        "",
+        *markdown_rows(report),
+    ]
+    print("\n".join(page[-(len(page) - 5) :]))
+    write_atomic(stem.with_suffix(".json"), json.dumps(report, indent=2) + "\n")
+    write_atomic(stem.with_suffix(".md"), "\n".join(page) + "\n")
+    print(f"\nwrote {stem}.json, {stem}.md")
+    return 0
+
+
+def run_drift(args: argparse.Namespace, argv: list[str]) -> int:
+    model, tokenizer = load_pretrained(args.model, torch.float32, args.device)
+    ids = _tokens(args, tokenizer)
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if "bos" in args.prefixes and bos is None:
+        raise ValueError("--prefixes bos: the tokenizer has no bos_token_id")
+    prefixes = {"none": None, "bos": None if bos is None else torch.tensor([bos])}
+    results = []
+    for dtype in args.dtypes:
+        model = model.to(DTYPES[dtype])
+        reference = full_forward(model, ids)
+        for size in args.chunk_sizes:
+            for name in args.prefixes:
+                prefix = prefixes[name]
+                run = measure_drift(
+                    model, ids, size, DTYPES[dtype], prefix_ids=prefix, prefix_name=name,
+                    reference=reference, progress=True,
+                )  # fmt: skip
+                results.append(run)
+    prov = provenance(argv)
+    stem = Path(args.out_dir) / (args.name or f"drift_{args.tokens}")
+    table = drift_table(results)
+    page = [
+        f"# longkv drift: {args.model}, {args.tokens} tokens of {args.text}",
+        "",
+        *provenance_lines(prov),
+        "",
+        "drift(t) = mean NLL of chunk t under the fold - the same under one full forward in the",
+        "same dtype (nats).",
+        "",
+        table,
+        f"![drift]({stem.name}.png)",
+    ]
+    print(table)
+    payload = {"provenance": prov, "settings": vars_of(args), "runs": [r.__dict__ for r in results]}
+    write_atomic(stem.with_suffix(".json"), json.dumps(payload, indent=2) + "\n")
+    write_atomic(stem.with_suffix(".md"), "\n".join(page) + "\n")
+    plot_drift(
+        results,
+        stem.with_suffix(".png"),
+        f"{args.model}: fold vs full forward, {args.tokens} tokens",
+    )
+    print(f"wrote {stem}.json, {stem}.md, {stem}.png")
+    return 0
+
+
+def vars_of(args: argparse.Namespace) -> dict[str, Any]:
+    """The parsed options as a JSON-ready dict."""
+    return {k: v for k, v in vars(args).items() if k != "func"}

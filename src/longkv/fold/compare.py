@@ -1,0 +1,107 @@
+"""Fold against one full forward (and StreamingLLM) on the same tokens, in one run.
+
+Each method runs once with its peak memory measured (which also warms it up), then `repeats`
+timed runs with the heap kept for reuse; the reported time is their median.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from torch import Tensor, nn
+
+from longkv.bench.memory import keep_freed_heap
+from longkv.fold.fold import FoldResult, kv_fold
+from longkv.fold.streaming import streaming_llm
+
+
+@dataclass(frozen=True)
+class MethodRun:
+    """One method over the tokens: time, peak memory and quality."""
+
+    method: str
+    chunk_size: int
+    seconds: float
+    peak_memory_bytes: int | None
+    mean_nll: float
+    max_abs_nll_diff_vs_full: float
+
+
+def _runs(
+    model: nn.Module, ids: Tensor, chunk_size: int, sinks: int, window: int, stream_chunk: int
+) -> dict[str, tuple[int, Callable[[bool], FoldResult]]]:
+    T = ids.shape[1]
+    return {
+        "full": (T, lambda mem: kv_fold(model, ids, T, measure_memory=mem)),
+        "fold": (chunk_size, lambda mem: kv_fold(model, ids, chunk_size, measure_memory=mem)),
+        "streaming": (
+            stream_chunk,
+            lambda mem: streaming_llm(
+                model, ids, sinks=sinks, window=window, chunk_size=stream_chunk, measure_memory=mem
+            ),
+        ),
+    }
+
+
+def compare_methods(
+    model: nn.Module,
+    input_ids: Tensor,
+    chunk_size: int,
+    *,
+    methods: tuple[str, ...] = ("full", "fold"),
+    repeats: int = 1,
+    sinks: int = 4,
+    window: int = 1020,
+    stream_chunk: int = 64,
+) -> dict[str, Any]:
+    """Measure each method on input_ids (B, T); ratios against the full forward."""
+    if repeats < 1:
+        raise ValueError(f"repeats: must be >= 1, got {repeats}")
+    keep_freed_heap()
+    runs = _runs(model, input_ids, chunk_size, sinks, window, stream_chunk)
+    results: dict[str, MethodRun] = {}
+    full_nll: Tensor | None = None
+    for method in ("full", *[m for m in methods if m != "full"]):
+        size, run = runs[method]
+        first = run(True)
+        times = [run(False).seconds for _ in range(repeats)]
+        if method == "full":
+            full_nll = first.nll
+        assert full_nll is not None
+        results[method] = MethodRun(
+            method=method,
+            chunk_size=size,
+            seconds=statistics.median(times),
+            peak_memory_bytes=first.peak_memory_bytes,
+            mean_nll=first.nll.mean().item(),
+            max_abs_nll_diff_vs_full=(first.nll - full_nll).abs().max().item(),
+        )
+    full = results["full"]
+    ratios = {}
+    for name, r in results.items():
+        if name == "full":
+            continue
+        ratios[f"{name} / full time"] = r.seconds / full.seconds
+        if r.peak_memory_bytes is not None and full.peak_memory_bytes:
+            ratios[f"{name} / full peak memory"] = r.peak_memory_bytes / full.peak_memory_bytes
+    return {"runs": [asdict(r) for r in results.values()], "ratios": ratios}
+
+
+def markdown_rows(report: dict[str, Any]) -> list[str]:
+    """Markdown tables of a `compare_methods` report."""
+    lines = [
+        "| method | chunk | seconds | peak MiB | mean NLL | max abs NLL diff vs full |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in report["runs"]:
+        peak = "n/a" if r["peak_memory_bytes"] is None else f"{r['peak_memory_bytes'] / 2**20:.0f}"
+        lines.append(
+            f"| {r['method']} | {r['chunk_size']} | {r['seconds']:.2f} | {peak} | "
+            f"{r['mean_nll']:.4f} | {r['max_abs_nll_diff_vs_full']:.2e} |"
+        )
+    lines += ["", "| ratio (same run) | value |", "|---|---:|"]
+    lines += [f"| {name} | {value:.3f} |" for name, value in report["ratios"].items()]
+    return lines
