@@ -122,6 +122,7 @@ def test_the_sinks_stay_and_the_middle_leaves() -> None:
             runner.forward(ids[:, t : t + 1])
     for layer, before in zip(runner.cache.layers, sink_keys, strict=True):
         assert torch.equal(layer.keys[:, :, :2], before)
+    assert runner.tokens == [0, 1, 25, 26, 27, 28, 29]
 
 
 def test_generation_continues_the_stream() -> None:

@@ -2,7 +2,7 @@
 
 from longkv.fold.fold import FoldResult, FoldRunner, check_foldable, kv_fold
 from longkv.fold.generate import fold_generate, greedy_decode
-from longkv.fold.streaming import StreamingRunner, streaming_generate, streaming_llm
+from longkv.fold.streaming import StreamingRunner, stream, streaming_generate, streaming_llm
 
 __all__ = [
     "FoldResult",
@@ -12,6 +12,7 @@ __all__ = [
     "fold_generate",
     "greedy_decode",
     "kv_fold",
+    "stream",
     "streaming_generate",
     "streaming_llm",
 ]

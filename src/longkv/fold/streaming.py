@@ -18,7 +18,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
-from transformers.cache_utils import Cache
 
 from longkv.attention.rope import rotate
 from longkv.fold import compat
@@ -59,12 +58,11 @@ def check_streamable(model: nn.Module, sinks: int, window: int) -> Tensor:
 class StreamingRunner:
     """A cache of at most sinks + window entries, with positions inside it."""
 
-    def __init__(
-        self, model: nn.Module, sinks: int = 4, window: int = 1020, cache: Cache | None = None
-    ):
+    def __init__(self, model: nn.Module, sinks: int = 4, window: int = 1020):
         self.inv_freq = check_streamable(model, sinks, window)
         self.model, self.sinks, self.window = model, sinks, window
-        self.cache = DynamicCache() if cache is None else cache
+        self.cache = DynamicCache()
+        self.tokens: list[int] = []  # the input index of the token behind each cache entry
 
     @property
     def length(self) -> int:
@@ -82,6 +80,7 @@ class StreamingRunner:
         angles = torch.cat([angles, angles])
         cos, sin = angles.cos(), angles.sin()
         s = self.sinks
+        del self.tokens[s : s + excess]
         for layer in self.cache.layers:
             moved = rotate(layer.keys[:, :, s + excess :].double(), cos, sin)
             layer.keys = torch.cat([layer.keys[:, :, :s], moved.to(layer.keys.dtype)], dim=2)
@@ -92,7 +91,36 @@ class StreamingRunner:
         B, L = ids.shape
         self.make_room(L)
         pos = torch.arange(self.length, self.length + L, device=ids.device).expand(B, L)
+        seen = self.tokens[-1] + 1 if self.tokens else 0
+        self.tokens += range(seen, seen + L)
         return compat.forward(self.model, ids, pos, self.cache)
+
+
+def stream(
+    runner: StreamingRunner,
+    input_ids: Tensor,
+    chunk_size: int = 1,
+    *,
+    return_logits: bool = False,
+    progress: bool = False,
+) -> FoldResult:
+    """Feed input_ids (B, T) through the runner chunk by chunk; nll and logits as for `kv_fold`."""
+    check_input(input_ids, chunk_size)
+    if chunk_size > runner.window:
+        raise ValueError(f"chunk_size: {chunk_size} exceeds the window {runner.window}")
+    nll, last, seconds, logits = score_chunks(
+        runner.forward, input_ids, chunk_size,
+        return_logits=return_logits, progress=progress, desc="streaming",
+    )  # fmt: skip
+    return FoldResult(
+        nll=nll,
+        cache=runner.cache,
+        last_logits=last,
+        chunk_size=chunk_size,
+        next_position=runner.length,
+        chunk_seconds=seconds,
+        logits=logits,
+    )
 
 
 def streaming_llm(
@@ -106,28 +134,15 @@ def streaming_llm(
     measure_memory: bool = True,
     progress: bool = False,
 ) -> FoldResult:
-    """Run input_ids (B, T) through StreamingLLM; nll and logits as for `kv_fold`."""
-    check_input(input_ids, chunk_size)
+    """Run input_ids (B, T) through StreamingLLM from an empty cache."""
     runner = StreamingRunner(model, sinks, window)
-    if chunk_size > window:
-        raise ValueError(f"chunk_size: {chunk_size} exceeds the window {window}")
-
-    def run() -> FoldResult:
-        nll, last, seconds, logits = score_chunks(
-            runner.forward, input_ids, chunk_size,
-            return_logits=return_logits, progress=progress, desc="streaming",
-        )  # fmt: skip
-        return FoldResult(
-            nll=nll,
-            cache=runner.cache,
-            last_logits=last,
-            chunk_size=chunk_size,
-            next_position=runner.length,
-            chunk_seconds=seconds,
-            logits=logits,
-        )
-
-    return measured(run, input_ids.device, measure_memory)
+    return measured(
+        lambda: stream(
+            runner, input_ids, chunk_size, return_logits=return_logits, progress=progress
+        ),
+        input_ids.device,
+        measure_memory,
+    )
 
 
 def streaming_generate(
@@ -142,9 +157,6 @@ def streaming_generate(
     progress: bool = False,
 ) -> Tensor:
     """Stream a prompt (B, T), then greedy-decode (B, n), evicting as the cache fills."""
-    run = streaming_llm(
-        model, input_ids, sinks=sinks, window=window, chunk_size=chunk_size,
-        measure_memory=False, progress=progress,
-    )  # fmt: skip
-    runner = StreamingRunner(model, sinks, window, run.cache)
+    runner = StreamingRunner(model, sinks, window)
+    run = stream(runner, input_ids, chunk_size, progress=progress)
     return greedy_decode(runner.forward, run.last_logits, max_new_tokens, eos_token_id)

@@ -1,0 +1,1 @@
+"""Evaluations: needle-in-a-haystack retrieval and scoring."""
