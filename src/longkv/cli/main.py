@@ -1,4 +1,4 @@
-"""`longkv` entry point: `longkv bench kvm`, `longkv fold`, `longkv drift`."""
+"""`longkv` entry point: `longkv niah`, `longkv fold`, `longkv drift`, `longkv bench kvm`."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import sys
 
 from longkv.bench import kvm as bench_kvm
 from longkv.cli import fold as fold_commands
+from longkv.cli import niah as niah_command
 
 
 def _bench_kvm_parser(sub: argparse._SubParsersAction) -> None:
@@ -77,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="speed and memory benchmarks")
     _bench_kvm_parser(bench.add_subparsers(dest="bench", required=True))
     fold_commands.add_parsers(commands)
+    niah_command.add_parser(commands)
     return parser
 
 

@@ -1,0 +1,76 @@
+"""The NIAH runner on the default model, and StreamingLLM's cache after a needle leaves it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import GPT2TokenizerFast, LlamaConfig, LlamaForCausalLM
+
+from longkv.evals.niah import make_sample
+from longkv.evals.runner import NiahSettings, accuracy_table, fold_mismatches, heatmap, run_niah
+from longkv.fold import StreamingRunner, stream
+from longkv.models.pretrained import load_pretrained
+
+GPT2 = Path(__file__).resolve().parents[2] / "shared" / "data" / "tokenizers" / "gpt2"
+
+
+def test_runner_answers_saves_and_resumes(tmp_path: Path) -> None:
+    model, tokenizer = load_pretrained()
+    settings = NiahSettings(
+        tasks=("niah_single_1",), lengths=(1024,), depths=(0.3,), window=252, max_new_tokens=10
+    )
+    path = tmp_path / "niah.json"
+    run = run_niah(model, tokenizer, settings, path, {"command": "test"})
+    assert [r.method for r in run.records] == ["full", "fold", "streaming"]
+    by = {r.method: r for r in run.records}
+    assert by["full"].score == 1.0 and by["fold"].tokens == by["full"].tokens
+    assert by["streaming"].score == 0.0  # the needle left its 256-entry cache
+    assert fold_mismatches(run.records) == []
+    saved = json.loads(path.read_text())
+    assert saved["fold_equals_full"] and len(saved["records"]) == 3
+    assert saved["accuracy"]["niah_single_1/fold/1024"] == 100.0
+    assert "| niah_single_1 | streaming | 0.0 | 0.0 |" in accuracy_table(run)
+    # a rerun with the same settings reuses every record and runs nothing
+    again = run_niah(torch.nn.Linear(1, 1), tokenizer, settings, path)  # would fail if used
+    assert [r.key for r in again.records] == [r.key for r in run.records]
+    heatmap(run, tmp_path / "niah.png")
+    assert (tmp_path / "niah.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_unknown_task_or_method_is_refused() -> None:
+    with pytest.raises(ValueError, match="tasks: unknown"):
+        NiahSettings(tasks=("niah_single_9",))
+    with pytest.raises(ValueError, match="methods: unknown"):
+        NiahSettings(methods=("rnn",))
+
+
+@pytest.mark.parametrize(("depth", "inside"), [(0.3, False), (1.0, True)])
+def test_a_needle_outside_the_streaming_window_is_absent_from_its_cache(
+    depth: float, inside: bool
+) -> None:
+    tokenizer = GPT2TokenizerFast.from_pretrained(GPT2)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=2048,
+        )
+    ).eval()
+    sample = make_sample("niah_single_1", tokenizer, 1024, depth, seed=0)
+    needle = set(range(sample.needle_positions[0], sample.needle_positions[0] + 20))
+    runner = StreamingRunner(model, sinks=4, window=252)
+    stream(runner, torch.tensor([sample.input_ids]), 64)
+    kept = set(runner.tokens)
+    assert len(kept) == runner.length == 256
+    assert set(range(4)) <= kept  # the sinks
+    assert (needle <= kept) == inside and (needle & kept == set()) == (not inside)
+    # the cache itself holds exactly those entries per layer
+    assert all(layer.keys.shape[2] == 256 for layer in runner.cache.layers)
