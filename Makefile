@@ -14,7 +14,7 @@ $(BIN)/longkv: pyproject.toml constraints.txt
 setup: $(BIN)/longkv
 
 run: setup
-	$(BIN)/longkv bench kvm
+	$(BIN)/longkv niah
 
 lint: setup
 	$(BIN)/ruff check src tests

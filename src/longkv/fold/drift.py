@@ -44,17 +44,20 @@ def measure_drift(
     *,
     prefix_ids: Tensor | None = None,
     prefix_name: str = "none",
+    reference: FoldResult | None = None,
     allow_extrapolation: bool = False,
     progress: bool = False,
 ) -> DriftResult:
-    """Per-chunk drift of a fold of input_ids (B, T) with the model cast to dtype."""
+    """Per-chunk drift of a fold of input_ids (B, T) with the model cast to dtype.
+
+    reference: the full forward in that dtype (`full_forward`), to share it between runs.
+    """
     model = model.to(dtype)
-    T = input_ids.shape[1]
-    options = dict(measure_memory=False, allow_extrapolation=allow_extrapolation)
-    full = kv_fold(model, input_ids, T, **options)  # one chunk = one full forward
+    full = full_forward(model, input_ids, allow_extrapolation) if reference is None else reference
     fold = kv_fold(
-        model, input_ids, chunk_size, prefix_ids=prefix_ids, progress=progress, **options
-    )
+        model, input_ids, chunk_size, prefix_ids=prefix_ids, progress=progress,
+        measure_memory=False, allow_extrapolation=allow_extrapolation,
+    )  # fmt: skip
     return DriftResult(
         chunk_size=chunk_size,
         dtype=str(dtype).removeprefix("torch."),
