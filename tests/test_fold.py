@@ -138,7 +138,8 @@ def test_models_and_inputs_that_cannot_be_folded_are_refused() -> None:
     gpt2, llama = tiny("gpt2"), tiny("llama")
     long = torch.randint(0, V, (1, 300))
     with pytest.raises(
-        ValueError, match="300 tokens exceed the model's max_position_embeddings = 256; its learned"
+        ValueError,
+        match=r"300 positions .* exceed the model's max_position_embeddings = 256; its learned",
     ):
         kv_fold(gpt2, long, 64, allow_extrapolation=True)
     with pytest.raises(ValueError, match="allow_extrapolation=True"):
@@ -149,6 +150,9 @@ def test_models_and_inputs_that_cannot_be_folded_are_refused() -> None:
     )
     with pytest.raises(ValueError, match="chunk_size: must be an int >= 1"):
         kv_fold(llama, long, 0)
+    with pytest.raises(ValueError, match="260 positions"):  # 250 + 11 - 1 positions
+        fold_generate(llama, long[:, :250], 64, max_new_tokens=11)
+    assert fold_generate(llama, long[:, :250], 64, max_new_tokens=7).shape == (1, 7)
     with pytest.raises(ValueError, match=r"input_ids: expected \(batch, tokens\)"):
         kv_fold(llama, long[0], 8)
     from transformers import T5Config, T5ForConditionalGeneration

@@ -162,6 +162,8 @@ def test_unsupported_models_and_settings_are_refused() -> None:
     )
     with pytest.raises(ValueError, match="sliding-window layers"):
         StreamingRunner(mistral, sinks=4, window=10)
+    with pytest.raises(ValueError, match="exceed the model's max_position_embeddings = 64"):
+        StreamingRunner(tiny_llama(), sinks=4, window=61)
     with pytest.raises(ValueError, match="window: must be an int >= 1"):
         StreamingRunner(tiny_llama(), window=0)
     with pytest.raises(ValueError, match="chunk_size: 9 exceeds the window 8"):

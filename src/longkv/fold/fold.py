@@ -101,7 +101,8 @@ def check_foldable(model: nn.Module, T: int, *, allow_extrapolation: bool = Fals
             else "positions past it were never trained; pass allow_extrapolation=True to run anyway"
         )
         raise ValueError(
-            f"input_ids: {T} tokens exceed the model's max_position_embeddings = {limit}; {why}"
+            f"input_ids: {T} positions (input, inserted prefixes, tokens to generate) exceed "
+            f"the model's max_position_embeddings = {limit}; {why}"
         )
 
 
@@ -187,6 +188,7 @@ def kv_fold(
     return_logits: bool = False,
     measure_memory: bool = True,
     allow_extrapolation: bool = False,
+    reserve: int = 0,
     progress: bool = False,
 ) -> FoldResult:
     """Fold `model` over input_ids (B, T) in chunks of chunk_size tokens.
@@ -195,16 +197,14 @@ def kv_fold(
     perturbation: they enter the cache and take positions, so the model sees
     [prefix, chunk 0, prefix, chunk 1, ...]; only the input tokens are scored.
     cache: continue an earlier fold (its length is the position of input_ids[:, 0]).
+    reserve: positions to keep within the model's limit after the input (for generation).
     """
     check_input(input_ids, chunk_size)
     runner = FoldRunner(model, cache)
     P = 0 if prefix_ids is None else prefix_ids.numel()
     T = input_ids.shape[1]
-    check_foldable(
-        model,
-        runner.position + T + P * -(-T // chunk_size),
-        allow_extrapolation=allow_extrapolation,
-    )
+    end = runner.position + T + P * -(-T // chunk_size) + reserve
+    check_foldable(model, end, allow_extrapolation=allow_extrapolation)
 
     def run() -> FoldResult:
         nll, last, seconds, logits = score_chunks(

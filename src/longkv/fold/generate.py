@@ -52,6 +52,7 @@ def fold_generate(
         prefix_ids=prefix_ids,
         measure_memory=False,
         allow_extrapolation=allow_extrapolation,
+        reserve=max_new_tokens - 1,  # the last new token is never fed back
         progress=progress,
     )
     runner = FoldRunner(model, fold.cache, fold.next_position)

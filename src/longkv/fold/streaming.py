@@ -44,6 +44,12 @@ def check_streamable(model: nn.Module, sinks: int, window: int) -> Tensor:
             f"{type(model).__name__} has rope_type {rope_type!r} and "
             f"{'no' if inv_freq is None else 'an'} inv_freq (learned positions cannot be moved)"
         )
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and sinks + window > limit:
+        raise ValueError(
+            f"window: sinks + window = {sinks + window} cache positions exceed the model's "
+            f"max_position_embeddings = {limit}; use a smaller window"
+        )
     layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
     sliding = getattr(config, "sliding_window", None)
     if layer_types != {"full_attention"} or (sliding is not None and sinks + window > sliding):
