@@ -179,3 +179,8 @@ def test_drift_is_numerical_for_an_exact_fold_and_structural_with_a_prefix(tmp_p
     assert "| 16 | float32 | bos | 7 |" in table
     plot_drift([exact, bos], tmp_path / "drift.png", "tiny llama")
     assert (tmp_path / "drift.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cache_offloading_is_refused_on_the_cpu() -> None:
+    with pytest.raises(ValueError, match="offload_cache: the cache already lives in CPU memory"):
+        kv_fold(tiny("llama"), torch.zeros(1, 8, dtype=torch.long), 4, offload_cache=True)

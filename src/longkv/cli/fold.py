@@ -19,18 +19,33 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    """--model, --device, --text, --corpus-dir, --tokens, --out-dir: shared by the fold commands."""
+    """--model, --device, --device-map, --corpus-dir, --out-dir: shared by the model commands."""
     p.add_argument("--model", default=DEFAULT_MODEL, help="local path, hub id, or smollm2")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--tokens", type=int, default=8192, help="tokens of corpus text per run")
-    p.add_argument("--text", default=DEFAULT_TEXT, help="corpus file to read the tokens from")
+    p.add_argument("--device-map", default=None, help='accelerate placement, e.g. "auto"')
     p.add_argument("--corpus-dir", default=None, help="default: ../shared/data/corpus")
     p.add_argument("--out-dir", default="results")
 
 
-def _tokens(args: argparse.Namespace, tokenizer: Any) -> torch.Tensor:
+def add_text_args(p: argparse.ArgumentParser) -> None:
+    """--tokens and --text: the corpus text a fold runs over."""
+    p.add_argument("--tokens", type=int, default=8192, help="tokens of corpus text per run")
+    p.add_argument("--text", default=DEFAULT_TEXT, help="corpus file to read the tokens from")
+
+
+def load(args: argparse.Namespace, dtype: torch.dtype) -> tuple[torch.nn.Module, Any]:
+    """The model and tokenizer the options name."""
+    return load_pretrained(args.model, dtype, args.device, args.device_map)
+
+
+def input_device(model: torch.nn.Module) -> torch.device:
+    """Where token ids go: the device of the input embedding."""
+    return model.get_input_embeddings().weight.device
+
+
+def _tokens(args: argparse.Namespace, tokenizer: Any, model: torch.nn.Module) -> torch.Tensor:
     ids = text_tokens(tokenizer, args.tokens, args.text, args.corpus_dir)
-    return torch.tensor([ids], device=args.device)
+    return torch.tensor([ids], device=input_device(model))
 
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:
@@ -41,6 +56,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_model_args(fold)
+    add_text_args(fold)
     fold.add_argument("--chunk-size", type=int, default=1024)
     fold.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     fold.add_argument(
@@ -59,6 +75,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_model_args(drift)
+    add_text_args(drift)
     drift.add_argument("--chunk-sizes", type=int, nargs="+", default=[256, 512, 1024])
     drift.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"])
     drift.add_argument("--prefixes", nargs="+", choices=["none", "bos"], default=["none", "bos"])
@@ -67,8 +84,8 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
 
 
 def run_fold(args: argparse.Namespace, argv: list[str]) -> int:
-    model, tokenizer = load_pretrained(args.model, DTYPES[args.dtype], args.device)
-    ids = _tokens(args, tokenizer)
+    model, tokenizer = load(args, DTYPES[args.dtype])
+    ids = _tokens(args, tokenizer, model)
     report = compare_methods(
         model, ids, args.chunk_size, methods=tuple(args.methods), repeats=args.repeats,
         sinks=args.sinks, window=args.window, stream_chunk=args.stream_chunk,
@@ -90,8 +107,8 @@ def run_fold(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def run_drift(args: argparse.Namespace, argv: list[str]) -> int:
-    model, tokenizer = load_pretrained(args.model, torch.float32, args.device)
-    ids = _tokens(args, tokenizer)
+    model, tokenizer = load(args, torch.float32)
+    ids = _tokens(args, tokenizer, model)
     bos = getattr(tokenizer, "bos_token_id", None)
     if "bos" in args.prefixes and bos is None:
         raise ValueError("--prefixes bos: the tokenizer has no bos_token_id")

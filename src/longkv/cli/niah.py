@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from longkv.bench.report import provenance, provenance_lines, write_atomic
-from longkv.cli.fold import DTYPES
+from longkv.cli.fold import DTYPES, add_model_args, load
 from longkv.evals.niah import TASKS
 from longkv.evals.runner import (
     METHODS,
@@ -16,7 +16,6 @@ from longkv.evals.runner import (
     heatmap,
     run_niah,
 )
-from longkv.models.pretrained import DEFAULT_MODEL, load_pretrained
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -27,8 +26,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="needle in a haystack: full vs fold vs streaming; JSON, table and heatmap",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--model", default=DEFAULT_MODEL, help="local path, hub id, or smollm2")
-    p.add_argument("--device", default="cpu")
+    add_model_args(p)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--tasks", nargs="+", choices=TASKS, default=list(d.tasks))
     p.add_argument("--lengths", nargs="+", type=int, default=list(d.lengths))
@@ -41,8 +39,6 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--window", type=int, default=d.window)
     p.add_argument("--stream-chunk", type=int, default=d.stream_chunk, help="1 = token by token")
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
-    p.add_argument("--corpus-dir", default=None, help="default: ../shared/data/corpus")
-    p.add_argument("--out-dir", default="results")
     p.add_argument("--name", default="niah_demo", help="result file stem")
     p.set_defaults(func=run)
 
@@ -54,7 +50,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         chunk_size=args.chunk_size, sinks=args.sinks, window=args.window,
         stream_chunk=args.stream_chunk, max_new_tokens=args.max_new_tokens,
     )  # fmt: skip
-    model, tokenizer = load_pretrained(args.model, DTYPES[args.dtype], args.device)
+    model, tokenizer = load(args, DTYPES[args.dtype])
     stem = Path(args.out_dir) / args.name
     prov = provenance(argv)
     result = run_niah(model, tokenizer, settings, stem.with_suffix(".json"), prov, args.corpus_dir)

@@ -131,7 +131,6 @@ def run_niah(
     run = NiahRun(settings=s, records=NiahRun.resume(path, s), provenance=provenance or {})
     done = {r.key for r in run.records}
     eos = getattr(tokenizer, "eos_token_id", None)
-    device = next(model.parameters()).device
     cells = [
         (task, n, d, s.seed + i)
         for task in s.tasks
@@ -145,7 +144,7 @@ def run_niah(
         if not todo:
             continue
         sample = make_sample(task, tokenizer, n, d, seed, corpus_dir=corpus_dir)
-        ids = torch.tensor([sample.input_ids], device=device)
+        ids = torch.tensor([sample.input_ids], device=model.get_input_embeddings().weight.device)
         for method in todo:
             t0 = time.perf_counter()
             tokens = answer(model, ids, method, s, eos)

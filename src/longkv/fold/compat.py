@@ -20,9 +20,12 @@ TRANSFORMERS_VERSION = Version(transformers.__version__)
 CACHE_ARG = "cache" if TRANSFORMERS_VERSION >= Version("5.24") else "past_key_values"
 
 
-def new_cache(model: nn.Module) -> Cache:
-    """An empty cache laid out for the model (sliding-window layers keep their own window)."""
-    return DynamicCache(config=model.config)
+def new_cache(model: nn.Module, offload: bool = False) -> Cache:
+    """An empty cache laid out for the model (sliding-window layers keep their own window).
+
+    offload: keep each layer's keys and values in CPU memory between uses (accelerator only).
+    """
+    return DynamicCache(config=model.config, offloading=offload)
 
 
 def accepts_cache(model: nn.Module) -> bool:

@@ -64,9 +64,15 @@ def chunk_means(nll: Tensor, chunk_size: int) -> Tensor:
 class FoldRunner:
     """The fold's accumulator: a cache and the absolute position of the next token."""
 
-    def __init__(self, model: nn.Module, cache: Cache | None = None, position: int | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        cache: Cache | None = None,
+        position: int | None = None,
+        offload: bool = False,
+    ):
         self.model = model
-        self.cache = compat.new_cache(model) if cache is None else cache
+        self.cache = compat.new_cache(model, offload) if cache is None else cache
         self.position = self.cache.get_seq_length() if position is None else position
 
     def forward(self, ids: Tensor) -> Tensor:
@@ -159,7 +165,7 @@ def score_chunks(
                 pred.float().transpose(1, 2), chunk[:, first:], reduction="none"
             )
             nll[:, g - 1 : g - 1 + token_nll.shape[1]] = token_nll
-            last = logits[:, -1]
+            last = logits[:, -1].clone()  # not a view: the chunk's logits can go
             if return_logits:
                 kept.append(logits[:, P:])
             if input_ids.device.type == "cuda":
@@ -189,6 +195,7 @@ def kv_fold(
     measure_memory: bool = True,
     allow_extrapolation: bool = False,
     reserve: int = 0,
+    offload_cache: bool = False,
     progress: bool = False,
 ) -> FoldResult:
     """Fold `model` over input_ids (B, T) in chunks of chunk_size tokens.
@@ -198,9 +205,16 @@ def kv_fold(
     [prefix, chunk 0, prefix, chunk 1, ...]; only the input tokens are scored.
     cache: continue an earlier fold (its length is the position of input_ids[:, 0]).
     reserve: positions to keep within the model's limit after the input (for generation).
+    offload_cache: keep the cache in CPU memory between layers, for contexts larger than the
+    accelerator's memory (transformers' offloaded DynamicCache; the model must be on a GPU).
     """
     check_input(input_ids, chunk_size)
-    runner = FoldRunner(model, cache)
+    if offload_cache and input_ids.device.type == "cpu":
+        raise ValueError(
+            "offload_cache: the cache already lives in CPU memory when the model runs on the "
+            "CPU; offloading is for a model on an accelerator"
+        )
+    runner = FoldRunner(model, cache, offload=offload_cache)
     P = 0 if prefix_ids is None else prefix_ids.numel()
     T = input_ids.shape[1]
     end = runner.position + T + P * -(-T // chunk_size) + reserve

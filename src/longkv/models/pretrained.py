@@ -84,9 +84,18 @@ def load_pretrained(
     name_or_path: str | None = None,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    device_map: str | dict[str, object] | None = None,
 ) -> tuple[PreTrainedModel, object]:
-    """(model in eval mode, tokenizer) for the default SmolLM2, a local folder or a hub id."""
+    """(model in eval mode, tokenizer) for the default SmolLM2, a local folder or a hub id.
+
+    device_map: spread the model over several devices through accelerate (e.g. "auto");
+    then `device` is not used and inputs go to the embedding's device.
+    """
     path = resolve_model(name_or_path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    if device_map is None:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map)
+    model.eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer
