@@ -69,7 +69,7 @@ def test_a_needle_outside_the_streaming_window_is_absent_from_its_cache(
     runner = StreamingRunner(model, sinks=4, window=252)
     stream(runner, torch.tensor([sample.input_ids]), 64)
     kept = set(runner.tokens)
-    assert len(kept) == runner.length == 256
+    assert len(kept) == runner.position == 256
     assert set(range(4)) <= kept  # the sinks
     assert (needle <= kept) == inside and (needle & kept == set()) == (not inside)
     # the cache itself holds exactly those entries per layer

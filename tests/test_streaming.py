@@ -106,7 +106,7 @@ def test_cache_never_exceeds_sinks_plus_window() -> None:
     with torch.inference_mode():
         for t in range(0, 50, 3):
             runner.forward(ids[:, t : t + 3])
-            lengths.append(runner.length)
+            lengths.append(runner.position)
             assert all(layer.keys.shape[2] <= 14 for layer in runner.cache.layers)
     assert max(lengths) == 14
 

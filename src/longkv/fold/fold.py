@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -122,8 +123,19 @@ def check_input(input_ids: Tensor, chunk_size: int) -> None:
         raise ValueError(f"chunk_size: must be an int >= 1, got {chunk_size!r}")
 
 
+class Runner(Protocol):
+    """What carries a sequence between forwards: a cache and the next token's position."""
+
+    cache: Cache
+
+    @property
+    def position(self) -> int: ...
+
+    def forward(self, ids: Tensor) -> Tensor: ...
+
+
 def score_chunks(
-    forward: Forward,
+    runner: Runner,
     input_ids: Tensor,
     chunk_size: int,
     prefix_ids: Tensor | None = None,
@@ -131,10 +143,9 @@ def score_chunks(
     return_logits: bool = False,
     progress: bool = False,
     desc: str = "fold",
-) -> tuple[Tensor, Tensor, list[float], Tensor | None]:
-    """Feed input_ids (B, T) chunk by chunk through `forward`, each chunk after prefix_ids (P,).
+) -> FoldResult:
+    """Feed input_ids (B, T) chunk by chunk through the runner, each chunk after prefix_ids (P,).
 
-    Returns (nll (B, T - 1), last logits (B, V), seconds per chunk, logits (B, T, V) or None).
     The logit before chunk token j is the last logit of the previous chunk (j = 0, no prefix)
     or the one at position P - 1 + j of this chunk's forward.
     """
@@ -151,7 +162,7 @@ def score_chunks(
             t0 = time.perf_counter()
             chunk = input_ids[:, t * chunk_size : (t + 1) * chunk_size]
             L = chunk.shape[1]
-            logits = forward(torch.cat([prefix.view(1, P).expand(B, P), chunk], dim=1))
+            logits = runner.forward(torch.cat([prefix.view(1, P).expand(B, P), chunk], dim=1))
             if P:
                 pred, first = logits[:, P - 1 : P - 1 + L], 0
             elif last is not None:
@@ -172,7 +183,15 @@ def score_chunks(
                 torch.cuda.synchronize(input_ids.device)
             seconds.append(time.perf_counter() - t0)
     assert last is not None
-    return nll, last, seconds, torch.cat(kept, dim=1) if return_logits else None
+    return FoldResult(
+        nll=nll,
+        cache=runner.cache,
+        last_logits=last,
+        chunk_size=chunk_size,
+        next_position=runner.position,
+        chunk_seconds=seconds,
+        logits=torch.cat(kept, dim=1) if return_logits else None,
+    )
 
 
 def measured(run: Callable[[], FoldResult], device: torch.device, measure: bool) -> FoldResult:
@@ -221,18 +240,13 @@ def kv_fold(
     check_foldable(model, end, allow_extrapolation=allow_extrapolation)
 
     def run() -> FoldResult:
-        nll, last, seconds, logits = score_chunks(
-            runner.forward, input_ids, chunk_size, prefix_ids,
-            return_logits=return_logits, progress=progress,
-        )  # fmt: skip
-        return FoldResult(
-            nll=nll,
-            cache=runner.cache,
-            last_logits=last,
-            chunk_size=chunk_size,
-            next_position=runner.position,
-            chunk_seconds=seconds,
-            logits=logits,
+        return score_chunks(
+            runner,
+            input_ids,
+            chunk_size,
+            prefix_ids,
+            return_logits=return_logits,
+            progress=progress,
         )
 
     return measured(run, input_ids.device, measure_memory)

@@ -71,15 +71,15 @@ class StreamingRunner:
         self.tokens: list[int] = []  # the input index of the token behind each cache entry
 
     @property
-    def length(self) -> int:
-        """Entries per layer now; also the position the next token takes."""
+    def position(self) -> int:
+        """Entries per layer now, which is also the position the next token takes."""
         return self.cache.get_seq_length()
 
     def make_room(self, n: int) -> None:
         """Evict the oldest non-sink entries so that n more fit in sinks + window."""
         if n > self.window:
             raise ValueError(f"chunk of {n} tokens does not fit a window of {self.window}")
-        excess = self.length + n - (self.sinks + self.window)
+        excess = self.position + n - (self.sinks + self.window)
         if excess <= 0:
             return
         angles = -excess * self.inv_freq.to(self.cache.layers[0].keys.device)
@@ -96,7 +96,7 @@ class StreamingRunner:
         """Logits (B, L, V) of ids (B, L) at cache positions, after making room for them."""
         B, L = ids.shape
         self.make_room(L)
-        pos = torch.arange(self.length, self.length + L, device=ids.device).expand(B, L)
+        pos = torch.arange(self.position, self.position + L, device=ids.device).expand(B, L)
         seen = self.tokens[-1] + 1 if self.tokens else 0
         self.tokens += range(seen, seen + L)
         return compat.forward(self.model, ids, pos, self.cache)
@@ -114,19 +114,10 @@ def stream(
     check_input(input_ids, chunk_size)
     if chunk_size > runner.window:
         raise ValueError(f"chunk_size: {chunk_size} exceeds the window {runner.window}")
-    nll, last, seconds, logits = score_chunks(
-        runner.forward, input_ids, chunk_size,
+    return score_chunks(
+        runner, input_ids, chunk_size,
         return_logits=return_logits, progress=progress, desc="streaming",
     )  # fmt: skip
-    return FoldResult(
-        nll=nll,
-        cache=runner.cache,
-        last_logits=last,
-        chunk_size=chunk_size,
-        next_position=runner.length,
-        chunk_seconds=seconds,
-        logits=logits,
-    )
 
 
 def streaming_llm(
