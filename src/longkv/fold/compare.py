@@ -34,13 +34,23 @@ def _runs(
     model: nn.Module, ids: Tensor, chunk_size: int, sinks: int, window: int, stream_chunk: int
 ) -> dict[str, tuple[int, Callable[[bool], FoldResult]]]:
     T = ids.shape[1]
+    show = {"progress": True}
     return {
         "full": (T, lambda mem: kv_fold(model, ids, T, measure_memory=mem)),
-        "fold": (chunk_size, lambda mem: kv_fold(model, ids, chunk_size, measure_memory=mem)),
+        "fold": (
+            chunk_size,
+            lambda mem: kv_fold(model, ids, chunk_size, measure_memory=mem, **show),
+        ),
         "streaming": (
             stream_chunk,
             lambda mem: streaming_llm(
-                model, ids, sinks=sinks, window=window, chunk_size=stream_chunk, measure_memory=mem
+                model,
+                ids,
+                sinks=sinks,
+                window=window,
+                chunk_size=stream_chunk,
+                measure_memory=mem,
+                **show,
             ),
         ),
     }
