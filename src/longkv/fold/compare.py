@@ -34,12 +34,11 @@ def _runs(
     model: nn.Module, ids: Tensor, chunk_size: int, sinks: int, window: int, stream_chunk: int
 ) -> dict[str, tuple[int, Callable[[bool], FoldResult]]]:
     T = ids.shape[1]
-    show = {"progress": True}
     return {
         "full": (T, lambda mem: kv_fold(model, ids, T, measure_memory=mem)),
         "fold": (
             chunk_size,
-            lambda mem: kv_fold(model, ids, chunk_size, measure_memory=mem, **show),
+            lambda mem: kv_fold(model, ids, chunk_size, measure_memory=mem, progress=True),
         ),
         "streaming": (
             stream_chunk,
@@ -50,7 +49,7 @@ def _runs(
                 window=window,
                 chunk_size=stream_chunk,
                 measure_memory=mem,
-                **show,
+                progress=True,
             ),
         ),
     }
