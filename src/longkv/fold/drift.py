@@ -95,27 +95,31 @@ def drift_table(results: list[DriftResult]) -> str:
 
 
 def plot_drift(results: list[DriftResult], path: Path, title: str) -> None:
-    """Drift against chunk index, one line per run (symmetric log scale)."""
+    """Drift against token position, one panel per dtype; colour = chunk size, dashed = prefix."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for r in results:
-        ax.plot(
-            range(len(r.drift)),
-            r.drift,
-            marker=".",
-            label=f"C={r.chunk_size} {r.dtype} prefix={r.prefix}",
-        )
-    ax.set_yscale("symlog", linthresh=1e-5)
-    ax.axhline(0, color="black", linewidth=0.5)
-    ax.set_xlabel("chunk index (depth)")
-    ax.set_ylabel("drift: fold NLL - full NLL (nats)")
-    ax.set_title(title, fontsize=10)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+    dtypes = list(dict.fromkeys(r.dtype for r in results))
+    sizes = sorted({r.chunk_size for r in results})
+    colours = dict(zip(sizes, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
+    fig, axes = plt.subplots(
+        1, len(dtypes), figsize=(6.5 * len(dtypes), 4.5), squeeze=False, sharey=True
+    )
+    for ax, dtype in zip(axes[0], dtypes, strict=True):
+        for r in (r for r in results if r.dtype == dtype):
+            ends = [(i + 1) * r.chunk_size for i in range(len(r.drift))]
+            style = "-" if r.prefix == "none" else "--"
+            label = f"C={r.chunk_size}" + ("" if r.prefix == "none" else f", {r.prefix} per chunk")
+            ax.plot(ends, r.drift, style, marker=".", color=colours[r.chunk_size], label=label)
+        ax.set_yscale("symlog", linthresh=1e-6)
+        ax.axhline(0, color="black", linewidth=0.5)
+        ax.set_xlabel("token position (end of chunk)")
+        ax.set_title(f"{title}, {dtype}", fontsize=10)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0][0].set_ylabel("drift: fold NLL - full NLL (nats)")
     fig.tight_layout()
     tmp = path.with_name(path.stem + ".tmp.png")
     fig.savefig(tmp, dpi=110)
