@@ -1,1 +1,6 @@
-"""Models: pretrained Hugging Face LMs to fold (and, later, longkv's own language models)."""
+"""Models: longkv's own language models (HF-registered) and pretrained Hugging Face LMs to fold."""
+
+from longkv.models.config import MIXERS, LongKVConfig
+from longkv.models.modeling import LongKVCache, LongKVForCausalLM
+
+__all__ = ["MIXERS", "LongKVCache", "LongKVConfig", "LongKVForCausalLM"]

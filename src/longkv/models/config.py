@@ -1,0 +1,149 @@
+"""LongKVConfig: a decoder-only LM whose layers each pick a token mixer."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+from transformers import PreTrainedConfig
+
+from longkv.attention.layers import AttentionConfig
+from longkv.kvm.config import KVMConfig
+
+MIXERS = ("full", "swa", "bswa", "kvm")
+
+
+class LongKVConfig(PreTrainedConfig):
+    """Shape and mixers of a longkv language model (kvm.md section 8 backbone).
+
+    layout: one mixer per layer from MIXERS, or None for `mixer` in every layer; kvm: KVMConfig
+    fields for the kvm layers; swa_window: tokens an swa layer sees; bswa_chunk_len and
+    bswa_window_chunks: the block window of bswa layers. Pre-LayerNorm blocks, qk LayerNorm,
+    RoPE (the first kvm.rope_dim channels in kvm layers, `rope_dim` elsewhere, None = all),
+    ReLU^2 MLP of mlp_ratio * d_model, untied output head.
+    """
+
+    model_type = "longkv"
+
+    def __init__(
+        self,
+        vocab_size: int = 50257,
+        d_model: int = 256,
+        n_layers: int = 4,
+        n_heads: int = 4,
+        n_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        mixer: str = "kvm",
+        layout: list[str] | None = None,
+        kvm: dict[str, Any] | None = None,
+        swa_window: int = 256,
+        bswa_chunk_len: int = 256,
+        bswa_window_chunks: int = 2,
+        rope_dim: int | None = None,
+        rope_base: float = 10000.0,
+        mlp_ratio: int = 4,
+        **kwargs: Any,
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.d_model = d_model
+        self.n_layers = n_layers
+        self.n_heads = n_heads
+        self.n_kv_heads = n_kv_heads
+        self.head_dim = head_dim
+        self.mixer = mixer
+        self.layout = list(layout) if layout is not None else None
+        self.kvm = dict(kvm) if kvm is not None else {}
+        self.swa_window = swa_window
+        self.bswa_chunk_len = bswa_chunk_len
+        self.bswa_window_chunks = bswa_window_chunks
+        self.rope_dim = rope_dim
+        self.rope_base = rope_base
+        self.mlp_ratio = mlp_ratio
+        kwargs.setdefault("tie_word_embeddings", False)
+        super().__init__(**kwargs)
+        self.validate_longkv()
+
+    def validate_longkv(self) -> None:
+        """Raise ValueError naming the field and the fix for any inconsistent setting."""
+
+        def need(ok: bool, field: str, message: str) -> None:
+            if not ok:
+                raise ValueError(f"LongKVConfig.{field}: {message}")
+
+        need(self.vocab_size >= 1, "vocab_size", f"must be >= 1, got {self.vocab_size}")
+        need(self.n_layers >= 1, "n_layers", f"must be >= 1, got {self.n_layers}")
+        need(self.mlp_ratio >= 1, "mlp_ratio", f"must be >= 1, got {self.mlp_ratio}")
+        need(self.mixer in MIXERS, "mixer", f"must be one of {MIXERS}, got {self.mixer!r}")
+        need(
+            self.layout is None or len(self.layout) == self.n_layers,
+            "layout",
+            f"needs one mixer per layer ({self.n_layers}), got {self.layout}",
+        )
+        bad = sorted(set(self.mixers) - set(MIXERS))
+        need(not bad, "layout", f"unknown mixers {bad}; choose from {MIXERS}")
+        known = {f.name for f in fields(KVMConfig)}
+        need(
+            set(self.kvm) <= known,
+            "kvm",
+            f"unknown KVMConfig fields {sorted(set(self.kvm) - known)}; use {sorted(known)}",
+        )
+        need(self.swa_window >= 1, "swa_window", f"must be >= 1, got {self.swa_window}")
+        need(
+            self.bswa_chunk_len >= 1 and self.bswa_window_chunks >= 1,
+            "bswa_chunk_len",
+            "bswa_chunk_len and bswa_window_chunks must be >= 1",
+        )
+        self.attention_config()  # validates the shell
+        if "kvm" in self.mixers:
+            self.kvm_config().check_head_dim(self.attention_config().dim)
+
+    @property
+    def mixers(self) -> list[str]:
+        """The mixer of each layer."""
+        return self.layout if self.layout is not None else [self.mixer] * self.n_layers
+
+    def attention_config(self) -> AttentionConfig:
+        """The projection / qk-norm / RoPE shell of the full, swa and bswa layers."""
+        return AttentionConfig(
+            d_model=self.d_model,
+            n_heads=self.n_heads,
+            n_kv_heads=self.n_kv_heads,
+            head_dim=self.head_dim,
+            rope_dim=self.rope_dim,
+            rope_base=self.rope_base,
+        )
+
+    def kvm_config(self) -> KVMConfig:
+        """The KVMConfig of the kvm layers."""
+        return KVMConfig(**self.kvm)
+
+    @classmethod
+    def tiny(cls, mixer: str = "kvm", **overrides: Any) -> LongKVConfig:
+        """4 layers, d=256, 4 heads, C=64: trains on a CPU. KVM defaults to the sqrt budget."""
+        kvm = dict(
+            chunk_len=64, window_chunks=2, sink_len=1, budget="power_law", state_min_len=64,
+            growth_factor=4.0, max_state_chunks=None, rope_dim=32,
+        )  # fmt: skip
+        base: dict[str, Any] = dict(
+            d_model=256, n_layers=4, n_heads=4, mixer=mixer, kvm=kvm, swa_window=128,
+            bswa_chunk_len=64, bswa_window_chunks=2,
+        )  # fmt: skip
+        return cls(**{**base, **overrides})
+
+    @classmethod
+    def paper_120m(cls, mixer: str = "kvm", **overrides: Any) -> LongKVConfig:
+        """12 layers, d=768, 12 heads of 64 (GPT-2 small shape), the paper's KVM sqrt layer."""
+        kvm = {
+            f.name: getattr(KVMConfig.paper_sqrt(rope_dim=32), f.name) for f in fields(KVMConfig)
+        }
+        base = dict(d_model=768, n_layers=12, n_heads=12, mixer=mixer, kvm=kvm)
+        return cls(**{**base, **overrides})
+
+    @classmethod
+    def paper_350m(cls, mixer: str = "kvm", **overrides: Any) -> LongKVConfig:
+        """24 layers, d=1024, 16 heads of 64 (GPT-2 medium shape), the paper's KVM sqrt layer."""
+        kvm = {
+            f.name: getattr(KVMConfig.paper_sqrt(rope_dim=32), f.name) for f in fields(KVMConfig)
+        }
+        base = dict(d_model=1024, n_layers=24, n_heads=16, mixer=mixer, kvm=kvm)
+        return cls(**{**base, **overrides})

@@ -1,0 +1,125 @@
+"""LongKVForCausalLM: pre-LayerNorm blocks over pluggable token mixers, with a carried cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from longkv.attention.layers import (
+    AttentionLayer,
+    BlockSlidingWindowAttention,
+    FullAttention,
+    SlidingWindowAttention,
+)
+from longkv.kvm.layer import KVMAttention
+from longkv.models.config import LongKVConfig
+
+
+@dataclass
+class LongKVCache:
+    """Each layer's mixer state (KVMState or WindowCache) and the tokens seen so far."""
+
+    states: list[Any] = field(default_factory=list)
+    seen: int = 0
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+
+def build_mixer(config: LongKVConfig, kind: str) -> AttentionLayer:
+    """The token mixer of one layer."""
+    shell = config.attention_config()
+    if kind == "kvm":  # rotates the kvm.rope_dim channels its state zeroes
+        return KVMAttention(replace(shell, rope_dim=None), config.kvm_config())
+    if kind == "full":
+        return FullAttention(shell)
+    if kind == "swa":
+        return SlidingWindowAttention(shell, config.swa_window)
+    return BlockSlidingWindowAttention(shell, config.bswa_chunk_len, config.bswa_window_chunks)
+
+
+class MLP(nn.Module):
+    """Linear -> ReLU^2 -> Linear."""
+
+    def __init__(self, d_model: int, hidden: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(d_model, hidden, bias=False)
+        self.down = nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down(F.relu(self.up(x)).square())
+
+
+class Block(nn.Module):
+    """x + mixer(LN(x)), then x + MLP(LN(x))."""
+
+    def __init__(self, config: LongKVConfig, kind: str) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(config.d_model)
+        self.mixer = build_mixer(config, kind)
+        self.norm2 = nn.LayerNorm(config.d_model)
+        self.mlp = MLP(config.d_model, config.mlp_ratio * config.d_model)
+
+    def forward(self, x: Tensor, state: Any = None) -> tuple[Tensor, Any]:
+        mixed, state = self.mixer(self.norm1(x), state)
+        x = x + mixed
+        return x + self.mlp(self.norm2(x)), state
+
+
+class LongKVForCausalLM(PreTrainedModel):
+    """Decoder-only LM; `forward(input_ids, cache)` continues a sequence from any cut."""
+
+    config_class = LongKVConfig
+    base_model_prefix = "longkv"
+    _no_split_modules: ClassVar[list[str]] = ["Block"]
+
+    def __init__(self, config: LongKVConfig) -> None:
+        super().__init__(config)
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.blocks = nn.ModuleList(Block(config, kind) for kind in config.mixers)
+        self.norm = nn.LayerNorm(config.d_model)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.post_init()
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear | nn.Embedding):
+            nn.init.normal_(module.weight, std=0.02)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        cache: LongKVCache | None = None,
+        labels: Tensor | None = None,
+        **kwargs: Any,
+    ) -> CausalLMOutputWithPast:
+        """input_ids (B, T) continuing `cache` (None starts) -> logits (B, T, V), new cache.
+
+        labels (B, T): next-token loss over positions 1..T-1 (labels shifted inside).
+        """
+        states = cache.states if cache is not None else [None] * len(self.blocks)
+        x = self.embed(input_ids)
+        new_states = []
+        for block, state in zip(self.blocks, states, strict=True):
+            x, state = block(x, state)
+            new_states.append(state)
+        logits = self.lm_head(self.norm(x))
+        loss = None
+        if labels is not None:
+            wide = torch.promote_types(logits.dtype, torch.float32)  # bf16 logits: fp32 loss
+            loss = F.cross_entropy(
+                logits[:, :-1].flatten(0, 1).to(wide), labels[:, 1:].flatten(), ignore_index=-100
+            )
+        seen = (cache.seen if cache is not None else 0) + input_ids.shape[1]
+        return CausalLMOutputWithPast(
+            loss=loss, logits=logits, cache=LongKVCache(states=new_states, seen=seen)
+        )
+
+
+AutoConfig.register("longkv", LongKVConfig)
+AutoModelForCausalLM.register(LongKVConfig, LongKVForCausalLM)
