@@ -116,3 +116,29 @@ def test_presets_build() -> None:
     assert LongKVConfig.paper_120m().kvm_config().budget == "power_law"
     hybrid = LongKVConfig.tiny(layout=["kvm", "swa"] * 2)
     assert hybrid.mixers == ["kvm", "swa", "kvm", "swa"]
+
+
+@pytest.mark.parametrize("case", ["kvm-sqrt", "hybrid", "full"])
+@pytest.mark.parametrize("sample", [False, True])
+def test_generate_with_the_cache_equals_recomputing(case: str, sample: bool) -> None:
+    model = tiny(*CASES[case])
+    ids = torch.randint(0, V, (2, 21), generator=torch.Generator().manual_seed(2))
+    kw = dict(max_new_tokens=15, do_sample=sample, temperature=0.8, top_k=20)
+
+    def gen(use_cache: bool) -> torch.Tensor:
+        return model.generate(
+            ids, use_cache=use_cache, generator=torch.Generator().manual_seed(3), **kw
+        )
+
+    cached, scratch = gen(True), gen(False)
+    assert cached.shape == (2, 36) and torch.equal(cached[:, :21], ids)
+    assert torch.equal(cached, scratch)
+
+
+def test_generate_stops_rows_at_eos() -> None:
+    model = tiny(["kvm", "swa"])
+    ids = torch.randint(0, V, (2, 10))
+    free = model.generate(ids, max_new_tokens=6)
+    eos = int(free[0, 12])
+    out = model.generate(ids, max_new_tokens=6, eos_token_id=eos)
+    assert torch.all(out[0, 12:] == eos)

@@ -120,6 +120,52 @@ class LongKVForCausalLM(PreTrainedModel):
             loss=loss, logits=logits, cache=LongKVCache(states=new_states, seen=seen)
         )
 
+    @torch.no_grad()
+    def generate(  # type: ignore[override]
+        self,
+        input_ids: Tensor,
+        max_new_tokens: int = 32,
+        *,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        eos_token_id: int | None = None,
+        generator: torch.Generator | None = None,
+        use_cache: bool = True,
+    ) -> Tensor:
+        """Prompts (B, T) of equal length followed by up to max_new_tokens tokens each.
+
+        Greedy, or sampling at `temperature` from the top_k tokens (all when None). With
+        use_cache=False every step recomputes from scratch (the reference the cache must match).
+        A row that emitted eos_token_id keeps emitting it; generation stops when all have.
+        """
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
+        if do_sample and temperature <= 0:
+            raise ValueError(f"temperature: must be > 0 when sampling, got {temperature}")
+        out = self(input_ids)
+        tokens, cache = input_ids, out.cache
+        logits = out.logits[:, -1]
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        for i in range(max_new_tokens):
+            if do_sample:
+                scaled = logits.double() / temperature
+                if top_k is not None:
+                    kth = scaled.topk(min(top_k, scaled.shape[-1]), dim=-1).values[:, -1:]
+                    scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+                nxt = torch.multinomial(scaled.softmax(-1), 1, generator=generator)[:, 0]
+            else:
+                nxt = logits.argmax(dim=-1)
+            if eos_token_id is not None:
+                nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
+                done |= nxt == eos_token_id
+            tokens = torch.cat([tokens, nxt[:, None]], dim=1)
+            if i + 1 == max_new_tokens or bool(done.all()):
+                break
+            out = self(nxt[:, None], cache=cache) if use_cache else self(tokens)
+            cache, logits = out.cache, out.logits[:, -1]
+        return tokens
+
 
 AutoConfig.register("longkv", LongKVConfig)
 AutoModelForCausalLM.register(LongKVConfig, LongKVForCausalLM)
