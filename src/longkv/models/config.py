@@ -133,17 +133,18 @@ class LongKVConfig(PreTrainedConfig):
     @classmethod
     def paper_120m(cls, mixer: str = "kvm", **overrides: Any) -> LongKVConfig:
         """12 layers, d=768, 12 heads of 64 (GPT-2 small shape), the paper's KVM sqrt layer."""
-        kvm = {
-            f.name: getattr(KVMConfig.paper_sqrt(rope_dim=32), f.name) for f in fields(KVMConfig)
-        }
-        base = dict(d_model=768, n_layers=12, n_heads=12, mixer=mixer, kvm=kvm)
-        return cls(**{**base, **overrides})
+        return cls._paper(mixer, 768, 12, 12, overrides)
 
     @classmethod
     def paper_350m(cls, mixer: str = "kvm", **overrides: Any) -> LongKVConfig:
         """24 layers, d=1024, 16 heads of 64 (GPT-2 medium shape), the paper's KVM sqrt layer."""
-        kvm = {
-            f.name: getattr(KVMConfig.paper_sqrt(rope_dim=32), f.name) for f in fields(KVMConfig)
-        }
-        base = dict(d_model=1024, n_layers=24, n_heads=16, mixer=mixer, kvm=kvm)
+        return cls._paper(mixer, 1024, 24, 16, overrides)
+
+    @classmethod
+    def _paper(
+        cls, mixer: str, d_model: int, n_layers: int, n_heads: int, overrides: dict[str, Any]
+    ) -> LongKVConfig:
+        sqrt = KVMConfig.paper_sqrt(rope_dim=32)  # half of a 64-channel head
+        kvm = {f.name: getattr(sqrt, f.name) for f in fields(KVMConfig)}
+        base = dict(d_model=d_model, n_layers=n_layers, n_heads=n_heads, mixer=mixer, kvm=kvm)
         return cls(**{**base, **overrides})
