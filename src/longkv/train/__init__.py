@@ -1,0 +1,1 @@
+"""Training longkv language models: data, and (to come) the training loop."""
