@@ -1,0 +1,73 @@
+"""The training loop: exact resume, refused checkpoints, two torchrun ranks == one process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from longkv.models import LongKVConfig
+from longkv.train.loop import CHECKPOINT, TrainConfig, batch_rows, lr_factor, train
+
+HELPER = Path(__file__).parent / "helpers" / "ddp_train.py"
+CONFIG = LongKVConfig(
+    vocab_size=64, d_model=32, n_layers=2, n_heads=4, mixer="kvm",
+    kvm=dict(chunk_len=4, window_chunks=2, state_min_len=4, rope_dim=4),
+)  # fmt: skip
+ROWS = (torch.arange(64)[:, None] * 5 + torch.arange(17)[None]) % 64  # learnable: counting
+CFG = TrainConfig(steps=6, batch_size=8, warmup=2, eval_every=3, checkpoint_every=1)
+
+
+def test_interrupted_and_resumed_run_equals_an_uninterrupted_one(tmp_path: Path) -> None:
+    whole = train(CONFIG, CFG, ROWS, ROWS[:16], tmp_path / "a")
+    first = train(CONFIG, CFG, ROWS, ROWS[:16], tmp_path / "b", stop_after=3)
+    assert len(first) == 3
+    resumed = train(CONFIG, CFG, ROWS, ROWS[:16], tmp_path / "b")
+    assert resumed == whole
+    assert whole[-1]["loss"] < whole[0]["loss"]  # it learns
+    assert (tmp_path / "b" / "metrics.csv").read_text().count("\n") == 7
+
+
+def test_mismatched_or_corrupt_checkpoints_are_refused_untouched(tmp_path: Path) -> None:
+    train(CONFIG, CFG, ROWS, ROWS[:16], tmp_path, stop_after=2)
+    before = (tmp_path / CHECKPOINT).read_bytes()
+    other = TrainConfig(steps=6, batch_size=8, warmup=2, eval_every=3, lr=5e-4)
+    with pytest.raises(ValueError, match="written by another model or training config"):
+        train(CONFIG, other, ROWS, ROWS[:16], tmp_path)
+    assert (tmp_path / CHECKPOINT).read_bytes() == before
+    (tmp_path / CHECKPOINT).write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="is unreadable"):
+        train(CONFIG, CFG, ROWS, ROWS[:16], tmp_path)
+    assert (tmp_path / CHECKPOINT).read_bytes() == b"not a checkpoint"
+
+
+def test_two_torchrun_ranks_give_the_losses_of_one_process(tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def losses(n: int) -> list[float]:
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}",
+            "--master_port=29517", str(HELPER), str(tmp_path / f"run{n}"),
+        ]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    one, two = losses(1), losses(2)
+    assert len(one) == len(two) == 4
+    assert max(abs(a - b) for a, b in zip(one, two, strict=True)) <= 1e-5
+
+
+def test_schedule_and_batches() -> None:
+    assert [round(lr_factor(s, 2, 6), 3) for s in range(6)] == [0.5, 1.0, 1.0, 0.75, 0.5, 0.25]
+    a, b = batch_rows(0, 64, 8, 0), batch_rows(8, 64, 8, 0)  # step 8 starts epoch 1
+    assert len(set(a.tolist())) == 8 and not torch.equal(a, b)
+    epoch = torch.cat([batch_rows(s, 64, 8, 0) for s in range(8)])
+    assert sorted(epoch.tolist()) == list(range(64))
+    with pytest.raises(ValueError, match=r"TrainConfig\.steps: must be >= 1"):
+        TrainConfig(steps=0)
