@@ -8,6 +8,7 @@ import sys
 from longkv.bench import kvm as bench_kvm
 from longkv.cli import fold as fold_commands
 from longkv.cli import niah as niah_command
+from longkv.cli import train as train_commands
 
 
 def _bench_kvm_parser(sub: argparse._SubParsersAction) -> None:
@@ -79,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     _bench_kvm_parser(bench.add_subparsers(dest="bench", required=True))
     fold_commands.add_parsers(commands)
     niah_command.add_parser(commands)
+    train_commands.add_parsers(commands)
     return parser
 
 

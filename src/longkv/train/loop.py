@@ -154,6 +154,8 @@ def train(
             write_metrics(out / "metrics.csv", metrics)
         if size > 1:
             dist.barrier()
+    if rank == 0 and end == cfg.steps:  # the finished model, for generate and eval-loss
+        model.save_pretrained(out / "model")
     return metrics
 
 
