@@ -58,3 +58,19 @@ def test_overrides_and_bad_runs() -> None:
     with pytest.raises(ValueError, match="unknown sections"):
         load_run(str(CONFIG), ["optimiser.lr=1"])
     assert main(["train", "--config", str(CONFIG), "model.preset=huge"]) == 2
+
+
+def test_bench_train_measures_every_variant(tmp_path: Path) -> None:
+    import json
+
+    argv = [
+        "bench", "train", "--contexts", "128", "--repeats", "1", "--vocab-size", "97",
+        "--out-dir", str(tmp_path), "--name", "bt",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads((tmp_path / "bt.json").read_text())
+    assert {r["variant"] for r in report["rows"]} == {"kvm_fixed", "kvm_sqrt", "bswa", "full"}
+    assert all(r["tokens_per_s"] > 0 for r in report["rows"])
+    assert set(report["ratios"]) == {
+        f"{v} / full tokens/s at 128" for v in ("kvm_fixed", "kvm_sqrt", "bswa")
+    }

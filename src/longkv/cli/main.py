@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from longkv.bench import kvm as bench_kvm
+from longkv.bench import train as bench_train
 from longkv.cli import fold as fold_commands
 from longkv.cli import niah as niah_command
 from longkv.cli import train as train_commands
@@ -71,13 +72,46 @@ def _run_bench_kvm(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
+def _bench_train_parser(sub: argparse._SubParsersAction) -> None:
+    d = bench_train.TrainBenchSettings()
+    p = sub.add_parser(
+        "train",
+        help="training tokens/s of kvm fixed, kvm sqrt, bswa and full at each context",
+        description=bench_train.__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--contexts", type=int, nargs="+", default=list(d.contexts))
+    p.add_argument(
+        "--variants", nargs="+", choices=list(bench_train.VARIANTS), default=list(d.variants)
+    )
+    p.add_argument("--batch", type=int, default=d.batch)
+    p.add_argument("--repeats", type=int, default=d.repeats)
+    p.add_argument("--vocab-size", type=int, default=d.vocab_size)
+    p.add_argument("--out-dir", default=d.out_dir)
+    p.add_argument("--name", default=d.name)
+    p.set_defaults(func=_run_bench_train)
+
+
+def _run_bench_train(args: argparse.Namespace, argv: list[str]) -> int:
+    settings = bench_train.TrainBenchSettings(
+        contexts=tuple(args.contexts), variants=tuple(args.variants), batch=args.batch,
+        repeats=args.repeats, vocab_size=args.vocab_size, out_dir=args.out_dir, name=args.name,
+    )  # fmt: skip
+    report = bench_train.run(settings, argv)
+    paths = bench_train.save(report, settings)
+    print(paths[1].read_text())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="longkv", description="Long-context memory for transformers."
     )
     commands = parser.add_subparsers(dest="command", required=True)
     bench = commands.add_parser("bench", help="speed and memory benchmarks")
-    _bench_kvm_parser(bench.add_subparsers(dest="bench", required=True))
+    benches = bench.add_subparsers(dest="bench", required=True)
+    _bench_kvm_parser(benches)
+    _bench_train_parser(benches)
     fold_commands.add_parsers(commands)
     niah_command.add_parser(commands)
     train_commands.add_parsers(commands)

@@ -1,0 +1,121 @@
+"""`longkv bench train`: training throughput (tokens/s) of each mixer, measured in one run.
+
+Each mixer gets the same model shape (LongKVConfig.tiny: 4 layers, d=256) and the same random
+tokens; a step is forward, backward and an AdamW update on one batch of `context` tokens per
+row. The time is the median of `repeats` steps after one warm-up step.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from longkv.bench.memory import keep_freed_heap
+from longkv.bench.report import provenance, provenance_lines, write_atomic
+from longkv.models import LongKVConfig, LongKVForCausalLM
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "kvm_fixed": dict(
+        mixer="kvm",
+        kvm=dict(
+            chunk_len=64,
+            window_chunks=2,
+            budget="fixed",
+            state_min_len=64,
+            max_state_chunks=1,
+            rope_dim=32,
+        ),
+    ),
+    "kvm_sqrt": dict(mixer="kvm"),  # the tiny preset's KVM is the sqrt budget
+    "bswa": dict(mixer="bswa"),
+    "full": dict(mixer="full"),
+}
+
+
+@dataclass(frozen=True)
+class TrainBenchSettings:
+    contexts: tuple[int, ...] = (2048, 8192)
+    variants: tuple[str, ...] = tuple(VARIANTS)
+    batch: int = 1
+    repeats: int = 3
+    vocab_size: int = 50257
+    seed: int = 0
+    out_dir: str = "results"
+    name: str = "bench_train"
+
+
+def step_seconds(model: LongKVForCausalLM, ids: torch.Tensor, repeats: int) -> float:
+    """Median seconds of a forward + backward + AdamW step on ids (B, T), after a warm-up."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    times = []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        loss = model(ids, labels=ids).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if i:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def run(s: TrainBenchSettings, argv: list[str] | None = None) -> dict[str, Any]:
+    """Tokens per second of every variant at every context, and ratios against full."""
+    keep_freed_heap()
+    rows = []
+    jobs = [(v, T) for T in s.contexts for v in s.variants]
+    for variant, T in tqdm(jobs, desc="bench train", unit="run"):
+        torch.manual_seed(s.seed)
+        model = LongKVForCausalLM(LongKVConfig.tiny(vocab_size=s.vocab_size, **VARIANTS[variant]))
+        ids = torch.randint(
+            0, s.vocab_size, (s.batch, T), generator=torch.Generator().manual_seed(s.seed)
+        )
+        seconds = step_seconds(model.train(), ids, s.repeats)
+        rows.append(
+            {
+                "variant": variant,
+                "context": T,
+                "seconds": seconds,
+                "tokens_per_s": s.batch * T / seconds,
+            }
+        )
+    full = {r["context"]: r["tokens_per_s"] for r in rows if r["variant"] == "full"}
+    ratios = {
+        f"{r['variant']} / full tokens/s at {r['context']}": r["tokens_per_s"] / full[r["context"]]
+        for r in rows
+        if r["variant"] != "full" and r["context"] in full
+    }
+    return {"provenance": provenance(argv), "settings": asdict(s), "rows": rows, "ratios": ratios}
+
+
+def save(report: dict[str, Any], s: TrainBenchSettings) -> list[Path]:
+    """results/<name>.json and .md."""
+    stem = Path(s.out_dir) / s.name
+    lines = [
+        "# longkv bench train",
+        "",
+        *provenance_lines(report["provenance"]),
+        f"- model: LongKVConfig.tiny (4 layers, d=256, 4 heads), batch {s.batch}, fp32, "
+        f"median of {s.repeats} steps (forward, backward, AdamW) after a warm-up",
+        "",
+        "| variant | context | s/step | tokens/s |",
+        "|---|---:|---:|---:|",
+        *[
+            f"| {r['variant']} | {r['context']} | {r['seconds']:.2f} | {r['tokens_per_s']:.0f} |"
+            for r in report["rows"]
+        ],
+        "",
+        "| ratio (same run) | value |",
+        "|---|---:|",
+        *[f"| {k} | {v:.2f} |" for k, v in report["ratios"].items()],
+    ]
+    write_atomic(stem.with_suffix(".json"), json.dumps(report, indent=2) + "\n")
+    write_atomic(stem.with_suffix(".md"), "\n".join(lines) + "\n")
+    return [stem.with_suffix(".json"), stem.with_suffix(".md")]
