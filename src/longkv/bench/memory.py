@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -22,8 +23,9 @@ def _status_bytes(key: str) -> int:
     raise RuntimeError(f"{key} missing from {_STATUS}")
 
 
+@functools.cache
 def _libc_function(name: str) -> Callable[..., int] | None:
-    libc_name = ctypes.util.find_library("c")
+    libc_name = ctypes.util.find_library("c")  # runs ldconfig: look it up once
     return getattr(ctypes.CDLL(libc_name), name, None) if libc_name else None
 
 
@@ -71,8 +73,10 @@ def peak_memory(fn: Callable[[], R], device: torch.device) -> tuple[R, int | Non
     """Run fn and return (its result, peak bytes allocated above the level before the call).
 
     CUDA: torch.cuda.max_memory_allocated. CPU: the rise of the resident-set high-water mark
-    (VmHWM, reset first) with glibc mapping each large block on its own for the call (see
-    `keep_freed_heap`), so the rise follows live memory; None where it cannot be measured.
+    (VmHWM, reset first, free heap returned first); None where it cannot be measured. When the
+    process keeps freed heap (`keep_freed_heap`, the benchmarks), glibc maps each large block on
+    its own for the call, so the rise follows live memory; otherwise glibc's own settings are
+    left alone and the rise may include memory it keeps for reuse.
     """
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -84,7 +88,8 @@ def peak_memory(fn: Callable[[], R], device: torch.device) -> tuple[R, int | Non
     if device.type != "cpu" or not cpu_peak_supported():
         return fn(), None
     kept = _heap_kept
-    keep_freed_heap(False)
+    if kept:
+        keep_freed_heap(False)
     _release_free_heap()
     _CLEAR_REFS.write_text("5")
     before = _status_bytes("VmRSS")
