@@ -22,6 +22,7 @@ from longkv.attention.functional import (
 )
 from longkv.attention.rope import apply_rope
 from longkv.attention.state import WindowCache
+from longkv.checks import require
 
 
 @dataclass(frozen=True)
@@ -42,30 +43,28 @@ class AttentionConfig:
     bias: bool = False
 
     def __post_init__(self) -> None:
-        def need(ok: bool, field: str, message: str) -> None:
-            if not ok:
-                raise ValueError(f"AttentionConfig.{field}: {message}")
-
-        need(self.d_model >= 1, "d_model", f"must be >= 1, got {self.d_model}")
-        need(self.n_heads >= 1, "n_heads", f"must be >= 1, got {self.n_heads}")
-        need(
+        require(self.d_model >= 1, "AttentionConfig.d_model", f"must be >= 1, got {self.d_model}")
+        require(self.n_heads >= 1, "AttentionConfig.n_heads", f"must be >= 1, got {self.n_heads}")
+        require(
             self.kv_heads >= 1 and self.n_heads % self.kv_heads == 0,
-            "n_kv_heads",
+            "AttentionConfig.n_kv_heads",
             f"must divide n_heads = {self.n_heads}, got {self.n_kv_heads}",
         )
-        need(
+        require(
             self.head_dim is not None or self.d_model % self.n_heads == 0,
-            "head_dim",
+            "AttentionConfig.head_dim",
             f"is None but n_heads = {self.n_heads} does not divide d_model = {self.d_model}; "
             "set head_dim explicitly",
         )
-        need(self.dim >= 1, "head_dim", f"must be >= 1, got {self.head_dim}")
-        need(
+        require(self.dim >= 1, "AttentionConfig.head_dim", f"must be >= 1, got {self.head_dim}")
+        require(
             self.rotary == 0 or (0 < self.rotary <= self.dim and self.rotary % 2 == 0),
-            "rope_dim",
+            "AttentionConfig.rope_dim",
             f"must be an even number in [0, head_dim = {self.dim}], got {self.rope_dim}",
         )
-        need(self.rope_base > 0, "rope_base", f"must be > 0, got {self.rope_base}")
+        require(
+            self.rope_base > 0, "AttentionConfig.rope_base", f"must be > 0, got {self.rope_base}"
+        )
 
     @property
     def kv_heads(self) -> int:

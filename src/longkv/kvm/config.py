@@ -6,13 +6,10 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from longkv.checks import require
+
 Budget = Literal["fixed", "power_law", "saturation"]
 BUDGETS: tuple[str, ...] = ("fixed", "power_law", "saturation")
-
-
-def _require(ok: bool, field: str, message: str) -> None:
-    if not ok:
-        raise ValueError(f"KVMConfig.{field}: {message}")
 
 
 @dataclass(frozen=True)
@@ -41,65 +38,65 @@ class KVMConfig:
     gate_appends: bool = True
 
     def __post_init__(self) -> None:
-        _require(
+        require(
             isinstance(self.chunk_len, int) and self.chunk_len > 0,
-            "chunk_len",
+            "KVMConfig.chunk_len",
             f"must be a positive int, got {self.chunk_len!r}; use e.g. 256",
         )
-        _require(
+        require(
             isinstance(self.window_chunks, int) and self.window_chunks >= 1,
-            "window_chunks",
+            "KVMConfig.window_chunks",
             f"must be an int >= 1, got {self.window_chunks!r}; use e.g. 2",
         )
-        _require(
+        require(
             isinstance(self.sink_len, int) and 0 <= self.sink_len < self.chunk_len,
-            "sink_len",
+            "KVMConfig.sink_len",
             f"must be an int in [0, chunk_len - 1] = [0, {self.chunk_len - 1}] so that the "
             f"first chunk leaves a non-sink slot to merge into, got {self.sink_len!r}",
         )
-        _require(
+        require(
             self.budget in BUDGETS,
-            "budget",
+            "KVMConfig.budget",
             f"must be one of {BUDGETS}, got {self.budget!r}",
         )
-        _require(
+        require(
             isinstance(self.state_min_len, int) and self.state_min_len >= 1,
-            "state_min_len",
+            "KVMConfig.state_min_len",
             f"must be an int >= 1, got {self.state_min_len!r}",
         )
-        _require(
+        require(
             math.isfinite(self.growth_factor) and self.growth_factor > 0,
-            "growth_factor",
+            "KVMConfig.growth_factor",
             f"must be a finite number > 0, got {self.growth_factor!r}; the paper uses 16",
         )
-        _require(
+        require(
             0 < self.growth_exponent <= 1,
-            "growth_exponent",
+            "KVMConfig.growth_exponent",
             f"must lie in (0, 1], got {self.growth_exponent!r}; 0.5 gives a sqrt budget",
         )
-        _require(
+        require(
             isinstance(self.saturation_n, int) and self.saturation_n >= 1,
-            "saturation_n",
+            "KVMConfig.saturation_n",
             f"must be an int >= 1, got {self.saturation_n!r}; the paper uses 1024",
         )
-        _require(
+        require(
             self.max_state_chunks is None
             or (isinstance(self.max_state_chunks, int) and self.max_state_chunks >= 1),
-            "max_state_chunks",
+            "KVMConfig.max_state_chunks",
             f"must be None (no cap) or an int >= 1, got {self.max_state_chunks!r}",
         )
-        _require(
+        require(
             isinstance(self.round_down, int) and self.round_down >= 1,
-            "round_down",
+            "KVMConfig.round_down",
             f"must be an int >= 1 (1 = no rounding), got {self.round_down!r}",
         )
-        _require(
+        require(
             isinstance(self.rope_dim, int) and self.rope_dim >= 0 and self.rope_dim % 2 == 0,
-            "rope_dim",
+            "KVMConfig.rope_dim",
             f"must be an even int >= 0 (rotary channels come in pairs), got {self.rope_dim!r}",
         )
-        _require(isinstance(self.use_vlens, bool), "use_vlens", "must be a bool")
-        _require(isinstance(self.gate_appends, bool), "gate_appends", "must be a bool")
+        require(isinstance(self.use_vlens, bool), "KVMConfig.use_vlens", "must be a bool")
+        require(isinstance(self.gate_appends, bool), "KVMConfig.gate_appends", "must be a bool")
 
     @property
     def window_len(self) -> int:

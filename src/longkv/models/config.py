@@ -8,6 +8,7 @@ from typing import Any
 from transformers import PreTrainedConfig
 
 from longkv.attention.layers import AttentionConfig
+from longkv.checks import require
 from longkv.kvm.config import KVMConfig
 
 MIXERS = ("full", "swa", "bswa", "kvm")
@@ -65,32 +66,37 @@ class LongKVConfig(PreTrainedConfig):
 
     def validate_longkv(self) -> None:
         """Raise ValueError naming the field and the fix for any inconsistent setting."""
-
-        def need(ok: bool, field: str, message: str) -> None:
-            if not ok:
-                raise ValueError(f"LongKVConfig.{field}: {message}")
-
-        need(self.vocab_size >= 1, "vocab_size", f"must be >= 1, got {self.vocab_size}")
-        need(self.n_layers >= 1, "n_layers", f"must be >= 1, got {self.n_layers}")
-        need(self.mlp_ratio >= 1, "mlp_ratio", f"must be >= 1, got {self.mlp_ratio}")
-        need(self.mixer in MIXERS, "mixer", f"must be one of {MIXERS}, got {self.mixer!r}")
-        need(
+        require(
+            self.vocab_size >= 1, "LongKVConfig.vocab_size", f"must be >= 1, got {self.vocab_size}"
+        )
+        require(self.n_layers >= 1, "LongKVConfig.n_layers", f"must be >= 1, got {self.n_layers}")
+        require(
+            self.mlp_ratio >= 1, "LongKVConfig.mlp_ratio", f"must be >= 1, got {self.mlp_ratio}"
+        )
+        require(
+            self.mixer in MIXERS,
+            "LongKVConfig.mixer",
+            f"must be one of {MIXERS}, got {self.mixer!r}",
+        )
+        require(
             self.layout is None or len(self.layout) == self.n_layers,
-            "layout",
+            "LongKVConfig.layout",
             f"needs one mixer per layer ({self.n_layers}), got {self.layout}",
         )
         bad = sorted(set(self.mixers) - set(MIXERS))
-        need(not bad, "layout", f"unknown mixers {bad}; choose from {MIXERS}")
+        require(not bad, "LongKVConfig.layout", f"unknown mixers {bad}; choose from {MIXERS}")
         known = {f.name for f in fields(KVMConfig)}
-        need(
+        require(
             set(self.kvm) <= known,
-            "kvm",
+            "LongKVConfig.kvm",
             f"unknown KVMConfig fields {sorted(set(self.kvm) - known)}; use {sorted(known)}",
         )
-        need(self.swa_window >= 1, "swa_window", f"must be >= 1, got {self.swa_window}")
-        need(
+        require(
+            self.swa_window >= 1, "LongKVConfig.swa_window", f"must be >= 1, got {self.swa_window}"
+        )
+        require(
             self.bswa_chunk_len >= 1 and self.bswa_window_chunks >= 1,
-            "bswa_chunk_len",
+            "LongKVConfig.bswa_chunk_len",
             "bswa_chunk_len and bswa_window_chunks must be >= 1",
         )
         self.attention_config()  # validates the shell

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 from tqdm import tqdm
 
+from longkv.checks import require
 from longkv.models import LongKVConfig, LongKVForCausalLM
 
 CHECKPOINT = "checkpoint.pt"
@@ -41,10 +42,12 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "eval_every", "eval_batches", "checkpoint_every"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"TrainConfig.{name}: must be >= 1, got {getattr(self, name)}")
-        if not (self.lr > 0 and self.warmup >= 0 and self.grad_clip > 0):
-            raise ValueError("TrainConfig: lr and grad_clip must be > 0 and warmup >= 0")
+            value = getattr(self, name)
+            require(value >= 1, f"TrainConfig.{name}", f"must be >= 1, got {value}")
+        for name in ("lr", "grad_clip"):
+            value = getattr(self, name)
+            require(value > 0, f"TrainConfig.{name}", f"must be > 0, got {value}")
+        require(self.warmup >= 0, "TrainConfig.warmup", f"must be >= 0, got {self.warmup}")
 
 
 def world() -> tuple[int, int]:
