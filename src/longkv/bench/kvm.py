@@ -8,7 +8,6 @@ chunk's worth by default, so KVM's once-per-chunk state update is included at it
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -22,8 +21,8 @@ from tqdm import tqdm
 
 from longkv.attention import block_sliding_window_attention, full_attention
 from longkv.bench.memory import keep_freed_heap, peak_memory
-from longkv.bench.report import provenance, provenance_lines, write_atomic
 from longkv.kvm import KVMConfig, kvm_attention
+from longkv.results import provenance, pyplot, save_figure, write_report
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 METHODS = ("kvm_fixed", "kvm_sqrt", "kvm_saturation", "bswa", "full")
@@ -214,11 +213,7 @@ def table(r: BenchResult) -> str:
 
 def plot(r: BenchResult, path: Path) -> None:
     """Prefill time, peak memory and decode time against context length, one line per method."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     panels = [
         ("prefill_s", "prefill time (s)"),
         ("prefill_peak_bytes", "prefill peak memory (MiB)"),
@@ -246,17 +241,13 @@ def plot(r: BenchResult, path: Path) -> None:
         fontsize=10,
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
-def markdown(r: BenchResult) -> str:
-    """The run as a markdown page: what was run, where, the measurements and the ratios."""
+def markdown_body(r: BenchResult) -> list[str]:
+    """The page below its provenance: settings, the measurements and the ratios."""
     p, s = r.provenance, r.settings
     lines = [
-        "# longkv bench kvm",
-        "",
-        *provenance_lines(p),
         f"- settings: B={s.batch} H={s.heads} D={s.head_dim} {s.dtype} on {s.device}, "
         f"C={s.chunk_len} N={s.window_chunks}, median of {s.repeats} prefills, decode mean of "
         f"{s.n_decode} tokens, heap kept: {p.get('heap_kept')}",
@@ -273,24 +264,18 @@ def markdown(r: BenchResult) -> str:
     lines += ["", "| ratio (same run) | value | target |", "|---|---:|---|"]
     for name, ratio in r.ratios.items():
         lines.append(f"| {name} | {ratio['value']:.2f} | {ratio['target'] or ''} |")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def save(r: BenchResult) -> list[Path]:
     """Write <out_dir>/<name>.json, .md and .png atomically; return their paths."""
-    out = Path(r.settings.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / r.settings.name
+    stem = Path(r.settings.out_dir) / r.settings.name
     payload = {
         "provenance": r.provenance,
         "settings": asdict(r.settings),
         "measurements": [asdict(m) for m in r.measurements],
         "ratios": r.ratios,
     }
-    paths = [stem.with_suffix(".json"), stem.with_suffix(".md"), stem.with_suffix(".png")]
-    write_atomic(paths[0], json.dumps(payload, indent=2) + "\n")
-    write_atomic(paths[1], markdown(r))
-    tmp_png = stem.with_suffix(".tmp.png")
-    plot(r, tmp_png)
-    tmp_png.replace(paths[2])
-    return paths
+    paths = write_report(stem, "longkv bench kvm", payload, markdown_body(r))
+    plot(r, stem.with_suffix(".png"))
+    return [*paths, stem.with_suffix(".png")]

@@ -7,7 +7,6 @@ row. The time is the median of `repeats` steps after one warm-up step.
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -18,8 +17,8 @@ import torch
 from tqdm import tqdm
 
 from longkv.bench.memory import keep_freed_heap
-from longkv.bench.report import provenance, provenance_lines, write_atomic
 from longkv.models import LongKVConfig, LongKVForCausalLM
+from longkv.results import provenance, write_report
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "kvm_fixed": dict(
@@ -97,11 +96,7 @@ def run(s: TrainBenchSettings, argv: list[str] | None = None) -> dict[str, Any]:
 
 def save(report: dict[str, Any], s: TrainBenchSettings) -> list[Path]:
     """results/<name>.json and .md."""
-    stem = Path(s.out_dir) / s.name
     lines = [
-        "# longkv bench train",
-        "",
-        *provenance_lines(report["provenance"]),
         f"- model: LongKVConfig.tiny (4 layers, d=256, 4 heads), batch {s.batch}, fp32, "
         f"median of {s.repeats} steps (forward, backward, AdamW) after a warm-up",
         "",
@@ -116,6 +111,4 @@ def save(report: dict[str, Any], s: TrainBenchSettings) -> list[Path]:
         "|---|---:|",
         *[f"| {k} | {v:.2f} |" for k, v in report["ratios"].items()],
     ]
-    write_atomic(stem.with_suffix(".json"), json.dumps(report, indent=2) + "\n")
-    write_atomic(stem.with_suffix(".md"), "\n".join(lines) + "\n")
-    return [stem.with_suffix(".json"), stem.with_suffix(".md")]
+    return write_report(Path(s.out_dir) / s.name, "longkv bench train", report, lines)

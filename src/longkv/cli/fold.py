@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import json
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from longkv.bench.report import provenance, provenance_lines, write_atomic
 from longkv.data.corpus import DEFAULT_TEXT, text_tokens
 from longkv.fold.compare import compare_methods, markdown_rows
 from longkv.fold.drift import drift_table, full_forward, measure_drift, plot_drift
 from longkv.models.pretrained import DEFAULT_MODEL, load_pretrained
+from longkv.results import provenance, write_report
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -92,17 +92,11 @@ def run_fold(args: argparse.Namespace, argv: list[str]) -> int:
     )  # fmt: skip
     report = {"provenance": provenance(argv), "settings": vars_of(args), **report}
     stem = Path(args.out_dir) / (args.name or f"fold_{args.tokens}")
-    page = [
-        f"# longkv fold: {args.model}, {args.tokens} tokens of {args.text}, {args.dtype}",
-        "",
-        *provenance_lines(report["provenance"]),
-        "",
-        *markdown_rows(report),
-    ]
-    print("\n".join(page[-(len(page) - 5) :]))
-    write_atomic(stem.with_suffix(".json"), json.dumps(report, indent=2) + "\n")
-    write_atomic(stem.with_suffix(".md"), "\n".join(page) + "\n")
-    print(f"\nwrote {stem}.json, {stem}.md")
+    title = f"longkv fold: {args.model}, {args.tokens} tokens of {args.text}, {args.dtype}"
+    tables = markdown_rows(report)
+    print("\n".join(tables))
+    paths = write_report(stem, title, report, ["", *tables])
+    print("\nwrote " + ", ".join(map(str, paths)))
     return 0
 
 
@@ -125,13 +119,9 @@ def run_drift(args: argparse.Namespace, argv: list[str]) -> int:
                     reference=reference, progress=True,
                 )  # fmt: skip
                 results.append(run)
-    prov = provenance(argv)
     stem = Path(args.out_dir) / (args.name or f"drift_{args.tokens}")
     table = drift_table(results)
-    page = [
-        f"# longkv drift: {args.model}, {args.tokens} tokens of {args.text}",
-        "",
-        *provenance_lines(prov),
+    body = [
         "",
         "drift(t) = mean NLL of chunk t under the fold - the same under one full forward in the",
         "same dtype (nats).",
@@ -140,9 +130,14 @@ def run_drift(args: argparse.Namespace, argv: list[str]) -> int:
         f"![drift]({stem.name}.png)",
     ]
     print(table)
-    payload = {"provenance": prov, "settings": vars_of(args), "runs": [r.__dict__ for r in results]}
-    write_atomic(stem.with_suffix(".json"), json.dumps(payload, indent=2) + "\n")
-    write_atomic(stem.with_suffix(".md"), "\n".join(page) + "\n")
+    payload = {
+        "provenance": provenance(argv),
+        "settings": vars_of(args),
+        "runs": [asdict(r) for r in results],
+    }
+    write_report(
+        stem, f"longkv drift: {args.model}, {args.tokens} tokens of {args.text}", payload, body
+    )
     plot_drift(
         results,
         stem.with_suffix(".png"),

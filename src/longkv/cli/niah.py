@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from longkv.bench.report import provenance, provenance_lines, write_atomic
 from longkv.cli.fold import DTYPES, add_model_args, load
 from longkv.evals.niah import TASKS
 from longkv.evals.runner import (
@@ -16,6 +15,7 @@ from longkv.evals.runner import (
     heatmap,
     run_niah,
 )
+from longkv.results import provenance, provenance_lines, write_atomic
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:

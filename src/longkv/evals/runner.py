@@ -18,10 +18,10 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from longkv.bench.report import write_atomic
 from longkv.evals.niah import TASKS, make_sample, sample_score
 from longkv.fold.generate import fold_generate
 from longkv.fold.streaming import streaming_generate
+from longkv.results import pyplot, save_figure, write_atomic
 
 METHODS = ("full", "fold", "streaming")
 
@@ -208,11 +208,7 @@ def accuracy_table(run: NiahRun) -> str:
 
 def heatmap(run: NiahRun, path: Path) -> None:
     """One panel per task and method: score (0-100) over depth (rows) x length (columns)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     s = run.settings
     rows, cols = len(s.tasks), len(s.methods)
     fig, axes = plt.subplots(
@@ -250,7 +246,4 @@ def heatmap(run: NiahRun, path: Path) -> None:
             if j == 0:
                 ax.set_ylabel("needle depth")
     fig.colorbar(image, ax=axes, shrink=0.8, label="string_match_all")
-    tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    tmp.replace(path)
+    save_figure(fig, path, dpi=100)

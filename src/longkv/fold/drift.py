@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from longkv.fold.fold import FoldResult, chunk_means, kv_fold
+from longkv.results import pyplot, save_figure
 
 
 @dataclass(frozen=True)
@@ -96,11 +97,7 @@ def drift_table(results: list[DriftResult]) -> str:
 
 def plot_drift(results: list[DriftResult], path: Path, title: str) -> None:
     """Drift against token position, one panel per dtype; colour = chunk size, dashed = prefix."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     dtypes = list(dict.fromkeys(r.dtype for r in results))
     sizes = sorted({r.chunk_size for r in results})
     colours = dict(zip(sizes, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
@@ -121,7 +118,4 @@ def plot_drift(results: list[DriftResult], path: Path, title: str) -> None:
         ax.legend(fontsize=8)
     axes[0][0].set_ylabel("drift: fold NLL - full NLL (nats)")
     fig.tight_layout()
-    tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(path)
+    save_figure(fig, path)

@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from longkv.checks import require
 from longkv.models import LongKVConfig, LongKVForCausalLM
+from longkv.results import replaced_atomically
 
 CHECKPOINT = "checkpoint.pt"
 
@@ -74,9 +75,8 @@ def lr_factor(step: int, warmup: int, steps: int) -> float:
 
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
     """torch.save through a temporary file and a rename: never a half-written checkpoint."""
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
-    tmp.replace(path)
+    with replaced_atomically(path) as tmp:
+        torch.save(state, tmp)
 
 
 def load_checkpoint(path: Path, model_config: LongKVConfig, train: TrainConfig) -> dict[str, Any]:
@@ -188,9 +188,7 @@ def evaluate(model: LongKVForCausalLM, rows: Tensor, batches: int, batch_size: i
 
 def write_metrics(path: Path, metrics: list[dict[str, float]]) -> None:
     """All metrics rows as CSV (rewritten atomically)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w", newline="") as f:
+    with replaced_atomically(path) as tmp, tmp.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["step", "loss", "lr", "eval_loss"])
         writer.writeheader()
         writer.writerows(metrics)
-    tmp.replace(path)

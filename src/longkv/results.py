@@ -1,13 +1,20 @@
-"""What every result file records: the command, commit and machine; atomic writes."""
+"""Result files: what every one records (command, commit, machine), written atomically.
+
+A result is `<stem>.json` (the numbers and their provenance), `<stem>.md` (a page of tables
+that says what was run) and, where a picture helps, `<stem>.png`.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -56,9 +63,46 @@ def provenance_lines(p: dict[str, Any]) -> list[str]:
     ]
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write text to path through a temporary file and a rename."""
+@contextmanager
+def replaced_atomically(path: Path) -> Iterator[Path]:
+    """A temporary path beside `path`, renamed onto it when the block ends without error."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
+    try:
+        yield tmp
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     tmp.replace(path)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write text to path through a temporary file and a rename."""
+    with replaced_atomically(path) as tmp:
+        tmp.write_text(text)
+
+
+def write_report(stem: Path, title: str, payload: dict[str, Any], body: list[str]) -> list[Path]:
+    """<stem>.json (payload, holding "provenance") and <stem>.md (title, provenance, body)."""
+    page = [f"# {title}", "", *provenance_lines(payload["provenance"]), *body]
+    paths = [stem.with_suffix(".json"), stem.with_suffix(".md")]
+    write_atomic(paths[0], json.dumps(payload, indent=2) + "\n")
+    write_atomic(paths[1], "\n".join(page) + "\n")
+    return paths
+
+
+def pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, path: Path, dpi: int = 110) -> None:
+    """Save a matplotlib figure as PNG atomically and close it."""
+    with replaced_atomically(path) as tmp:
+        fig.savefig(tmp, dpi=dpi, format="png")
+    pyplot().close(fig)
