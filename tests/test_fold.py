@@ -139,7 +139,7 @@ def test_models_and_inputs_that_cannot_be_folded_are_refused() -> None:
     long = torch.randint(0, V, (1, 300))
     with pytest.raises(
         ValueError,
-        match=r"300 positions .* exceed the model's max_position_embeddings = 256; its learned",
+        match=r"300 positions .* max_position_embeddings = 256; its positions are not rotary",
     ):
         kv_fold(gpt2, long, 64, allow_extrapolation=True)
     with pytest.raises(ValueError, match="allow_extrapolation=True"):

@@ -100,12 +100,13 @@ def check_foldable(model: nn.Module, T: int, *, allow_extrapolation: bool = Fals
     limit = getattr(config, "max_position_embeddings", None)
     if limit is None or T <= limit:
         return
-    learned = getattr(config, "model_type", "") in {"gpt2", "gpt_neo", "gptj", "opt", "bloom"}
-    if learned or not allow_extrapolation:
+    rotary = getattr(config, "rope_parameters", None) is not None
+    if not rotary or not allow_extrapolation:
         why = (
-            "its learned position embeddings stop there"
-            if learned
-            else "positions past it were never trained; pass allow_extrapolation=True to run anyway"
+            "positions past it were never trained; pass allow_extrapolation=True to run anyway"
+            if rotary
+            else "its positions are not rotary (learned, or not known to extrapolate), so "
+            "positions past it do not exist"
         )
         raise ValueError(
             f"input_ids: {T} positions (input, inserted prefixes, tokens to generate) exceed "
