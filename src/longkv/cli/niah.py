@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from longkv.cli.args import settings_from_args
 from longkv.cli.fold import DTYPES, add_model_args, load
 from longkv.evals.niah import TASKS
 from longkv.evals.runner import (
@@ -44,12 +45,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
-    settings = NiahSettings(
-        tasks=tuple(args.tasks), lengths=tuple(args.lengths), depths=tuple(args.depths),
-        methods=tuple(args.methods), samples=args.samples, seed=args.seed,
-        chunk_size=args.chunk_size, sinks=args.sinks, window=args.window,
-        stream_chunk=args.stream_chunk, max_new_tokens=args.max_new_tokens,
-    )  # fmt: skip
+    settings = settings_from_args(NiahSettings, args)
     model, tokenizer = load(args, DTYPES[args.dtype])
     stem = Path(args.out_dir) / args.name
     prov = provenance(argv)

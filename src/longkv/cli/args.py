@@ -1,0 +1,19 @@
+"""Turning parsed options into the settings dataclasses they describe."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+from typing import Any, TypeVar
+
+S = TypeVar("S")
+
+
+def settings_from_args(cls: type[S], args: argparse.Namespace) -> S:
+    """cls built from the options named like its fields (lists become tuples); others default."""
+    values: dict[str, Any] = {}
+    for f in fields(cls):  # type: ignore[arg-type]
+        if hasattr(args, f.name):
+            value = getattr(args, f.name)
+            values[f.name] = tuple(value) if isinstance(value, list) else value
+    return cls(**values)
