@@ -15,7 +15,13 @@ import torch
 import yaml
 
 from longkv.models import LongKVConfig, LongKVForCausalLM
-from longkv.train.data import gpt2_tokenizer, packed_corpus
+from longkv.train.data import (
+    document_files,
+    gpt2_tokenizer,
+    pack_files,
+    packed_corpus,
+    split_files,
+)
 from longkv.train.loop import TrainConfig, evaluate, train
 
 PRESETS = {
@@ -76,20 +82,18 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     g.set_defaults(func=run_generate)
 
 
-def _prepare(args: argparse.Namespace) -> tuple[dict[str, Any], LongKVConfig, Any, Any]:
-    run = load_run(args.config, args.overrides)
-    tokenizer = gpt2_tokenizer()
-    config = model_config(run.get("model", {}), len(tokenizer))
+def _data(run: dict[str, Any]) -> tuple[int, str | None, int]:
+    """(seq_len, folder, every) of the run's data section."""
     data = run.get("data", {})
-    text = packed_corpus(
-        tokenizer, data.get("seq_len", 512), data.get("folder"), data.get("every", 20)
-    )
-    return run, config, tokenizer, text
+    return data.get("seq_len", 512), data.get("folder"), data.get("every", 20)
 
 
 def run_train(args: argparse.Namespace, argv: list[str]) -> int:
-    run, config, _, text = _prepare(args)
+    run = load_run(args.config, args.overrides)
+    tokenizer = gpt2_tokenizer()
+    config = model_config(run.get("model", {}), len(tokenizer))
     cfg = TrainConfig(**run.get("train", {}))
+    text = packed_corpus(tokenizer, *_data(run))
     out = run.get("out_dir", "runs/longkv")
     metrics = train(config, cfg, text.train, text.held_out, out)
     last = metrics[-1]
@@ -100,13 +104,15 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def run_eval(args: argparse.Namespace, argv: list[str]) -> int:
-    run, _, _, text = _prepare(args)
+    run = load_run(args.config, args.overrides)
     cfg = TrainConfig(**run.get("train", {}))
+    seq_len, folder, every = _data(run)
+    held = pack_files(gpt2_tokenizer(), split_files(document_files(folder), every)[1], seq_len)
     path = Path(run.get("out_dir", "runs/longkv")) / "model"  # written by `longkv train`
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no trained model in {path}; run `longkv train` with this run")
     model = LongKVForCausalLM.from_pretrained(path).eval()
-    loss = evaluate(model, text.held_out, args.batches, cfg.batch_size)
+    loss = evaluate(model, held, args.batches, cfg.batch_size)
     print(f"held-out loss {loss:.4f} over {args.batches} batches of {cfg.batch_size}")
     return 0
 

@@ -82,12 +82,13 @@ def packed_corpus(
 ) -> PackedText:
     """Tokenize and pack a folder of documents into training and held-out rows."""
     train_files, held_files = split_files(document_files(folder), every)
+    train = pack_files(tokenizer, train_files, seq_len)
+    return PackedText(train, pack_files(tokenizer, held_files, seq_len), train_files, held_files)
+
+
+def pack_files(tokenizer: Any, files: list[Path], seq_len: int) -> Tensor:
+    """(N, seq_len + 1) packed rows of the documents in files, EOS between documents."""
     sep = tokenizer.eos_token_id
     if sep is None:
         raise ValueError("tokenizer: has no eos_token_id to separate documents")
-
-    def rows(files: list[Path]) -> Tensor:
-        docs = [tokenizer(read_document(f))["input_ids"] for f in files]
-        return pack(docs, seq_len, sep)
-
-    return PackedText(rows(train_files), rows(held_files), train_files, held_files)
+    return pack([tokenizer(read_document(f))["input_ids"] for f in files], seq_len, sep)
