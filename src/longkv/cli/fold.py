@@ -15,7 +15,12 @@ from longkv.fold.drift import drift_table, full_forward, measure_drift, plot_dri
 from longkv.models.pretrained import DEFAULT_MODEL, load_pretrained
 from longkv.results import provenance, write_report
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {
+    "fp64": torch.float64,
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

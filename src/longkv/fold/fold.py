@@ -29,8 +29,9 @@ Forward = Callable[[Tensor], Tensor]  # token ids (B, L) -> logits (B, L, V), ad
 class FoldResult:
     """What a fold (or a streaming run) returns.
 
-    nll: (B, T - 1) float32 NLL of tokens 1..T-1, each scored once (the first token of a chunk by
-    the last logit of the one before); cache: the cache after the run, to continue generating;
+    nll: (B, T - 1) NLL of tokens 1..T-1 (float32; float64 for a float64 model), each scored once
+    (the first token of a chunk by the last logit of the one before); cache: the cache after the
+    run, to continue generating;
     last_logits: (B, V) logits after the last token; next_position: the position the next token
     takes; chunk_seconds: wall time per chunk; peak_memory_bytes: the run's peak memory above the
     level before it (CUDA allocator peak, or resident-set rise on CPU; None when not measured);
@@ -153,7 +154,7 @@ def score_chunks(
     B, T = input_ids.shape
     prefix = input_ids.new_zeros(0) if prefix_ids is None else prefix_ids.to(input_ids.device)
     P = prefix.numel()
-    nll = torch.empty(B, T - 1, dtype=torch.float32, device=input_ids.device)
+    scored: list[Tensor] = []  # per chunk (B, L'), in token order
     kept: list[Tensor] = []
     seconds: list[float] = []
     last: Tensor | None = None
@@ -172,11 +173,10 @@ def score_chunks(
                 pred, first = logits[:, : L - 1], 1
             if t == 0 and first == 0:  # token 0 of the input is never scored
                 pred, first = pred[:, 1:], 1
-            g = t * chunk_size + first  # absolute index of the first scored token
-            token_nll = F.cross_entropy(
-                pred.float().transpose(1, 2), chunk[:, first:], reduction="none"
+            high = torch.promote_types(pred.dtype, torch.float32)
+            scored.append(
+                F.cross_entropy(pred.to(high).transpose(1, 2), chunk[:, first:], reduction="none")
             )
-            nll[:, g - 1 : g - 1 + token_nll.shape[1]] = token_nll
             last = logits[:, -1].clone()  # not a view: the chunk's logits can go
             if return_logits:
                 kept.append(logits[:, P:])
@@ -185,7 +185,7 @@ def score_chunks(
             seconds.append(time.perf_counter() - t0)
     assert last is not None
     return FoldResult(
-        nll=nll,
+        nll=torch.cat(scored, dim=1),
         cache=runner.cache,
         last_logits=last,
         chunk_size=chunk_size,
