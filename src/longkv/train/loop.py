@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import math
 import os
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -105,7 +106,11 @@ def train(
     stop_after: int | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> list[dict[str, float]]:
-    """Train (or resume) and return the metrics rows; stop_after simulates an interruption."""
+    """Train (or resume) and return the metrics rows; stop_after simulates an interruption.
+
+    A row per step: step, loss, lr, eval_loss (on eval steps) and seconds (wall time of the
+    training steps so far, evaluations included, checkpoint writes not; carried across resumes).
+    """
     rank, size = world()
     if size > 1 and not dist.is_initialized():
         dist.init_process_group("gloo")
@@ -130,8 +135,10 @@ def train(
         start, metrics = state["step"], state["metrics"]
     net = torch.nn.parallel.DistributedDataParallel(model) if size > 1 else model
     local = cfg.batch_size // size
+    elapsed = metrics[-1]["seconds"] if metrics else 0.0  # training time, resumes included
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
     for step in tqdm(range(start, end), desc="train", unit="step", disable=rank != 0):
+        t0 = time.perf_counter()
         rows = train_rows[batch_rows(step, len(train_rows), cfg.batch_size, cfg.seed)]
         mine = rows[rank * local : (rank + 1) * local]
         loss = _next_token_loss(net, mine)
@@ -144,6 +151,8 @@ def train(
         row["lr"] = schedule.get_last_lr()[0]
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
             row["eval_loss"] = evaluate(model, held_out_rows, cfg.eval_batches, local)
+        elapsed += time.perf_counter() - t0
+        row["seconds"] = elapsed
         metrics.append(row)
         if rank == 0 and ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == end):
             save_checkpoint(
@@ -189,6 +198,6 @@ def evaluate(model: LongKVForCausalLM, rows: Tensor, batches: int, batch_size: i
 def write_metrics(path: Path, metrics: list[dict[str, float]]) -> None:
     """All metrics rows as CSV (rewritten atomically)."""
     with replaced_atomically(path) as tmp, tmp.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["step", "loss", "lr", "eval_loss"])
+        writer = csv.DictWriter(f, fieldnames=["step", "loss", "lr", "eval_loss", "seconds"])
         writer.writeheader()
         writer.writerows(metrics)
