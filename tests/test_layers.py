@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -126,10 +128,40 @@ def test_each_ablation_switches_one_thing(ablation: str) -> None:
     assert (layer(x)[0] - base(x)[0]).abs().max() > 1e-6
 
 
+@pytest.mark.parametrize("kind", ["kvm", "full"])
+def test_token_shift_and_value_residual_follow_their_formulas(kind: str) -> None:
+    shell = replace(SHELL, token_shift=True, value_residual=True)
+    make = {"kvm": lambda c: KVMAttention(c, KVM), "full": FullAttention}[kind]
+    layer = randomized(make(shell))
+    plain = make(SHELL).double()
+    plain.load_state_dict(layer.state_dict(), strict=False)  # the same weights, no extras
+    x, x_prev = torch.randn(2, 2, 30, 16, dtype=torch.float64)
+    v_first = torch.randn(2, 2, 30, 8, dtype=torch.float64)
+    y, state, v = layer.forward_with_values(x, x_prev=x_prev, v_first=v_first)
+    assert layer.shift_k is not None and layer.shift_v is not None
+    assert layer.value_mix is not None
+    q, _, _ = plain.project(x, 0)
+    _, k, _ = plain.project(x + layer.shift_k * (x_prev - x), 0)
+    _, _, v_own = plain.project(x + layer.shift_v * (x_prev - x), 0)
+    lam = torch.sigmoid(layer.value_mix).view(1, 2, 1, 1)
+    out, ref_state = plain.mix(q, k, (1 - lam) * v_own + lam * v_first, x, None)
+    assert_close(v, v_own)
+    assert_close(y, plain.o_proj(out.transpose(1, 2).reshape(2, 30, -1)))
+    if kind == "kvm":
+        assert_same_state(state, ref_state)
+    else:  # the cache holds the mixed values
+        assert_close(state.v, ref_state.v)
+    with pytest.raises(ValueError, match="x_prev: a token_shift layer needs the input one token"):
+        layer.forward_with_values(x, v_first=v_first)
+    with pytest.raises(ValueError, match="v_first: a value_residual layer needs the first layer"):
+        layer.forward_with_values(x, x_prev=x_prev)
+
+
 def test_gradients_reach_every_parameter() -> None:
-    layer = KVMAttention(SHELL, KVM, merge_gate=True, head_temperatures=True)
-    x = torch.randn(2, 30, 16)
-    y, state = layer(x)
+    shell = replace(SHELL, token_shift=True, value_residual=True)
+    layer = KVMAttention(shell, KVM, merge_gate=True, head_temperatures=True)
+    x, x_prev = torch.randn(2, 2, 30, 16)
+    y, state, _ = layer.forward_with_values(x, x_prev=x_prev, v_first=torch.randn(2, 2, 30, 8))
     (y.square().mean() + state.slot_v.square().mean()).backward()
     for name, p in layer.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, name

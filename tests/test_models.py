@@ -22,16 +22,18 @@ BUDGETS = {
 }
 
 
-def tiny(layout: list[str], budget: str = "sqrt") -> LongKVForCausalLM:
+def tiny(layout: list[str], budget: str = "sqrt", extras: bool = False) -> LongKVForCausalLM:
+    """extras: token shift and value residual on."""
     config = LongKVConfig(
         vocab_size=V, d_model=32, n_layers=len(layout), n_heads=4, n_kv_heads=2, layout=layout,
         kvm={**KVM, **BUDGETS[budget]}, swa_window=6, bswa_chunk_len=4, bswa_window_chunks=2,
+        token_shift=extras, value_residual=extras,
     )  # fmt: skip
     torch.manual_seed(0)
     model = LongKVForCausalLM(config).double().eval()
-    with torch.no_grad():  # LayerNorms and temperatures off their identity init
+    with torch.no_grad():  # LayerNorms, temperatures and mixes off their init
         for name, p in model.named_parameters():
-            if "norm" in name or "temp" in name:
+            if any(part in name for part in ("norm", "temp", "shift", "value_mix")):
                 p.add_(0.2 * torch.randn_like(p))
     return model
 
@@ -44,6 +46,7 @@ CASES = {
     "kvm-sqrt": (["kvm", "kvm"], "sqrt"),
     "kvm-saturation": (["kvm", "kvm"], "saturation"),
     "hybrid": (["kvm", "swa", "kvm", "swa"], "saturation"),
+    "hybrid-shift-vres": (["kvm", "swa", "kvm", "bswa"], "fixed", True),
 }
 
 
@@ -111,6 +114,15 @@ def test_bad_configs_fail_when_built(overrides: dict, match: str) -> None:  # ty
         LongKVConfig.tiny(**overrides)
 
 
+def test_token_shift_and_value_residual_change_the_model() -> None:
+    plain, extras = tiny(*CASES["hybrid"]), tiny(*CASES["hybrid"], True)
+    assert extras.blocks[0].mixer.value_mix is None  # the first layer's values are v_first
+    assert all(b.mixer.value_mix is not None for b in extras.blocks[1:])
+    extras.load_state_dict(plain.state_dict(), strict=False)
+    ids = torch.randint(0, V, (2, T))
+    assert (run(extras, ids, [0, T]) - run(plain, ids, [0, T])).abs().max().item() > 1e-3
+
+
 def test_presets_build() -> None:
     assert LongKVConfig.tiny().mixers == ["kvm"] * 4
     assert LongKVConfig.paper_120m().kvm_config().budget == "power_law"
@@ -118,7 +130,7 @@ def test_presets_build() -> None:
     assert hybrid.mixers == ["kvm", "swa", "kvm", "swa"]
 
 
-@pytest.mark.parametrize("case", ["kvm-sqrt", "hybrid", "full"])
+@pytest.mark.parametrize("case", ["kvm-sqrt", "hybrid", "full", "hybrid-shift-vres"])
 @pytest.mark.parametrize("sample", [False, True])
 def test_generate_with_the_cache_equals_recomputing(case: str, sample: bool) -> None:
     model = tiny(*CASES[case])

@@ -31,6 +31,9 @@ class AttentionConfig:
 
     n_kv_heads None = n_heads (no grouping); head_dim None = d_model // n_heads;
     rope_dim None = the whole head (KV-Means layers take it from their KVMConfig instead).
+    token_shift: keys and values are projected from x_t + mu * (x_{t-1} - x_t), mu learned per
+    channel (init 0.5; x_{-1} = 0). value_residual: values become v + lam * (v_first - v), with
+    v_first the first layer's values and lam = sigmoid(a) learned per KV head (init 0.5).
     """
 
     d_model: int
@@ -41,6 +44,8 @@ class AttentionConfig:
     rope_base: float = 10000.0
     qk_norm: bool = True
     bias: bool = False
+    token_shift: bool = False
+    value_residual: bool = False
 
     def __post_init__(self) -> None:
         require(self.d_model >= 1, "AttentionConfig.d_model", f"must be >= 1, got {self.d_model}")
@@ -95,14 +100,32 @@ class AttentionLayer(nn.Module):
         self.o_proj = nn.Linear(H * D, config.d_model, bias=config.bias)
         self.q_norm = nn.LayerNorm(D) if config.qk_norm else nn.Identity()
         self.k_norm = nn.LayerNorm(D) if config.qk_norm else nn.Identity()
+        shift = config.token_shift
+        self.shift_k = nn.Parameter(torch.full((config.d_model,), 0.5)) if shift else None
+        self.shift_v = nn.Parameter(torch.full((config.d_model,), 0.5)) if shift else None
+        self.value_mix = nn.Parameter(torch.zeros(Hkv)) if config.value_residual else None
 
-    def project(self, x: Tensor, start: int) -> tuple[Tensor, Tensor, Tensor]:
-        """x (B, T, d_model) at positions start.. -> q (B, H, T, D), k, v (B, Hkv, T, D)."""
+    def project(
+        self, x: Tensor, start: int, x_prev: Tensor | None = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """x (B, T, d_model) at positions start.. -> q (B, H, T, D), k, v (B, Hkv, T, D).
+
+        x_prev (B, T, d_model): the input one token earlier (token_shift layers only).
+        """
         c = self.config
         B, T, _ = x.shape
+        x_k = x_v = x
+        if self.shift_k is not None and self.shift_v is not None:
+            if x_prev is None or x_prev.shape != x.shape:
+                raise ValueError(
+                    "x_prev: a token_shift layer needs the input one token earlier, shaped like "
+                    f"x {tuple(x.shape)}; got {None if x_prev is None else tuple(x_prev.shape)}"
+                )
+            x_k = x + self.shift_k * (x_prev - x)
+            x_v = x + self.shift_v * (x_prev - x)
         q = self.q_norm(self.q_proj(x).view(B, T, c.n_heads, c.dim).transpose(1, 2))
-        k = self.k_norm(self.k_proj(x).view(B, T, c.kv_heads, c.dim).transpose(1, 2))
-        v = self.v_proj(x).view(B, T, c.kv_heads, c.dim).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x_k).view(B, T, c.kv_heads, c.dim).transpose(1, 2))
+        v = self.v_proj(x_v).view(B, T, c.kv_heads, c.dim).transpose(1, 2)
         pos = torch.arange(start, start + T, device=x.device)
         return (
             apply_rope(q, pos, c.rotary, c.rope_base),
@@ -116,14 +139,39 @@ class AttentionLayer(nn.Module):
 
     def forward(self, x: Tensor, state: Any = None) -> tuple[Tensor, Any]:
         """x (B, T, d_model), state from the previous call or None -> (y (B, T, d_model), state)."""
+        y, state, _ = self.forward_with_values(x, state)
+        return y, state
+
+    def forward_with_values(
+        self,
+        x: Tensor,
+        state: Any = None,
+        *,
+        x_prev: Tensor | None = None,
+        v_first: Tensor | None = None,
+    ) -> tuple[Tensor, Any, Tensor]:
+        """`forward` with token shift and value residual: -> (y, state, v (B, Hkv, T, D)).
+
+        x_prev (B, T, d_model): the input one token earlier (token_shift); v_first: the first
+        layer's values (value_residual); v: this layer's own values, before the residual.
+        """
         if x.dim() != 3 or x.shape[-1] != self.config.d_model:
             raise ValueError(
                 f"x: expected (batch, tokens, d_model={self.config.d_model}), got {tuple(x.shape)}"
             )
-        q, k, v = self.project(x, 0 if state is None else state.seen)
-        out, state = self.mix(q, k, v, x, state)
+        q, k, v = self.project(x, 0 if state is None else state.seen, x_prev)
+        mixed_v = v
+        if self.value_mix is not None:
+            if v_first is None or v_first.shape != v.shape:
+                raise ValueError(
+                    "v_first: a value_residual layer needs the first layer's values, shaped like "
+                    f"{tuple(v.shape)}; got {None if v_first is None else tuple(v_first.shape)}"
+                )
+            lam = torch.sigmoid(self.value_mix).view(1, -1, 1, 1)
+            mixed_v = v + lam * (v_first - v)
+        out, state = self.mix(q, k, mixed_v, x, state)
         B, T, _ = x.shape
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), state
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), state, v
 
 
 class FullAttention(AttentionLayer):

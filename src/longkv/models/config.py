@@ -21,7 +21,8 @@ class LongKVConfig(PreTrainedConfig):
     fields for the kvm layers; swa_window: tokens an swa layer sees; bswa_chunk_len and
     bswa_window_chunks: the block window of bswa layers. Pre-LayerNorm blocks, qk LayerNorm,
     RoPE (the first kvm.rope_dim channels in kvm layers, `rope_dim` elsewhere, None = all),
-    ReLU^2 MLP of mlp_ratio * d_model, untied output head.
+    ReLU^2 MLP of mlp_ratio * d_model, untied output head. token_shift and value_residual: the
+    optional shell features of AttentionConfig (value residual in every layer after the first).
     """
 
     model_type = "longkv"
@@ -43,6 +44,8 @@ class LongKVConfig(PreTrainedConfig):
         rope_dim: int | None = None,
         rope_base: float = 10000.0,
         mlp_ratio: int = 4,
+        token_shift: bool = False,
+        value_residual: bool = False,
         **kwargs: Any,
     ) -> None:
         self.vocab_size = vocab_size
@@ -60,6 +63,8 @@ class LongKVConfig(PreTrainedConfig):
         self.rope_dim = rope_dim
         self.rope_base = rope_base
         self.mlp_ratio = mlp_ratio
+        self.token_shift = token_shift
+        self.value_residual = value_residual
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)
         self.validate_longkv()
@@ -108,8 +113,8 @@ class LongKVConfig(PreTrainedConfig):
         """The mixer of each layer."""
         return self.layout if self.layout is not None else [self.mixer] * self.n_layers
 
-    def attention_config(self) -> AttentionConfig:
-        """The projection / qk-norm / RoPE shell of the full, swa and bswa layers."""
+    def attention_config(self, layer: int = 0) -> AttentionConfig:
+        """The projection / qk-norm / RoPE shell of layer `layer` (kvm layers swap the RoPE)."""
         return AttentionConfig(
             d_model=self.d_model,
             n_heads=self.n_heads,
@@ -117,6 +122,8 @@ class LongKVConfig(PreTrainedConfig):
             head_dim=self.head_dim,
             rope_dim=self.rope_dim,
             rope_base=self.rope_base,
+            token_shift=self.token_shift,
+            value_residual=self.value_residual and layer > 0,
         )
 
     def kvm_config(self) -> KVMConfig:

@@ -23,18 +23,23 @@ from longkv.models.config import LongKVConfig
 
 @dataclass
 class LongKVCache:
-    """Each layer's mixer state (KVMState or WindowCache) and the tokens seen so far."""
+    """Each layer's mixer state (KVMState or WindowCache) and the tokens seen so far.
+
+    last_inputs: each layer's normalised input at the last token, (B, d_model), for token shift
+    (None in a model without it).
+    """
 
     states: list[Any] = field(default_factory=list)
+    last_inputs: list[Tensor | None] = field(default_factory=list)
     seen: int = 0
 
     def get_seq_length(self) -> int:
         return self.seen
 
 
-def build_mixer(config: LongKVConfig, kind: str) -> AttentionLayer:
-    """The token mixer of one layer."""
-    shell = config.attention_config()
+def build_mixer(config: LongKVConfig, kind: str, layer: int) -> AttentionLayer:
+    """The token mixer of layer `layer`."""
+    shell = config.attention_config(layer)
     if kind == "kvm":  # rotates the kvm.rope_dim channels its state zeroes
         return KVMAttention(replace(shell, rope_dim=None), config.kvm_config())
     if kind == "full":
@@ -59,17 +64,35 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """x + mixer(LN(x)), then x + MLP(LN(x))."""
 
-    def __init__(self, config: LongKVConfig, kind: str) -> None:
+    def __init__(self, config: LongKVConfig, kind: str, layer: int) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(config.d_model)
-        self.mixer = build_mixer(config, kind)
+        self.mixer = build_mixer(config, kind, layer)
         self.norm2 = nn.LayerNorm(config.d_model)
         self.mlp = MLP(config.d_model, config.mlp_ratio * config.d_model)
+        self.token_shift = config.token_shift
 
-    def forward(self, x: Tensor, state: Any = None) -> tuple[Tensor, Any]:
-        mixed, state = self.mixer(self.norm1(x), state)
+    def forward(
+        self,
+        x: Tensor,
+        state: Any = None,
+        last: Tensor | None = None,
+        v_first: Tensor | None = None,
+    ) -> tuple[Tensor, Any, Tensor | None, Tensor]:
+        """x (B, T, d_model) -> (x, mixer state, last normalised input (B, d_model) or None, v).
+
+        last: the previous call's normalised last token (token shift; None = start of text);
+        v_first: the first layer's values (value residual); v: this layer's own values.
+        """
+        h = self.norm1(x)
+        h_prev = None
+        if self.token_shift:
+            before = h.new_zeros(h.shape[0], 1, h.shape[2]) if last is None else last[:, None]
+            h_prev = torch.cat([before, h[:, :-1]], dim=1)
+        mixed, state, v = self.mixer.forward_with_values(h, state, x_prev=h_prev, v_first=v_first)
         x = x + mixed
-        return x + self.mlp(self.norm2(x)), state
+        last = h[:, -1] if self.token_shift else None
+        return x + self.mlp(self.norm2(x)), state, last, v
 
 
 class LongKVForCausalLM(PreTrainedModel):
@@ -82,7 +105,9 @@ class LongKVForCausalLM(PreTrainedModel):
     def __init__(self, config: LongKVConfig) -> None:
         super().__init__(config)
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
-        self.blocks = nn.ModuleList(Block(config, kind) for kind in config.mixers)
+        self.blocks = nn.ModuleList(
+            Block(config, kind, layer) for layer, kind in enumerate(config.mixers)
+        )
         self.norm = nn.LayerNorm(config.d_model)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.post_init()
@@ -102,12 +127,17 @@ class LongKVForCausalLM(PreTrainedModel):
 
         labels (B, T): next-token loss over positions 1..T-1 (labels shifted inside).
         """
-        states = cache.states if cache is not None else [None] * len(self.blocks)
-        x = self.embed(input_ids)
-        new_states = []
-        for block, state in zip(self.blocks, states, strict=True):
-            x, state = block(x, state)
+        n = len(self.blocks)
+        states = cache.states if cache is not None else [None] * n
+        lasts = cache.last_inputs if cache is not None else [None] * n
+        x = self.embed(input_ids)  # (B, T, d_model)
+        new_states, new_lasts = [], []
+        v_first: Tensor | None = None
+        for block, state, last in zip(self.blocks, states, lasts, strict=True):
+            x, state, last, v = block(x, state, last, v_first)
+            v_first = v if v_first is None else v_first
             new_states.append(state)
+            new_lasts.append(last)
         logits = self.lm_head(self.norm(x))
         loss = None
         if labels is not None:
@@ -117,7 +147,9 @@ class LongKVForCausalLM(PreTrainedModel):
             )
         seen = (cache.seen if cache is not None else 0) + input_ids.shape[1]
         return CausalLMOutputWithPast(
-            loss=loss, logits=logits, cache=LongKVCache(states=new_states, seen=seen)
+            loss=loss,
+            logits=logits,
+            cache=LongKVCache(states=new_states, last_inputs=new_lasts, seen=seen),
         )
 
     @torch.no_grad()
