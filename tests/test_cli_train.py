@@ -1,12 +1,14 @@
-"""`longkv train`, `eval-loss` and `generate` on a tiny model and a tiny corpus."""
+"""`longkv tokenizer train`, `train`, `eval-loss` and `generate` on a tiny model and corpus."""
 
 from __future__ import annotations
 
 import csv
 import gzip
+import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from longkv.cli.main import main
 from longkv.cli.train import load_run
@@ -19,10 +21,16 @@ def test_train_then_eval_and_generate(tmp_path: Path, capsys: pytest.CaptureFixt
     corpus.mkdir()
     for i in range(4):
         with gzip.open(corpus / f"d{i}.txt.gz", "wt") as f:
-            f.write("The cat sat on the mat. " * 60)
+            f.write(f"The cat sat on the mat number {i}. " * 60)
+    bpe = tmp_path / "bpe"
+    argv = ["tokenizer", "train", "--out", str(bpe), "--vocab-size", "300"]
+    assert main([*argv, "--corpus-dir", str(corpus), "--every", "4"]) == 0
+    learned = int(capsys.readouterr().out.split(" tokens")[0])  # at most 300 on this tiny text
+    assert 257 < learned <= 300
     out = tmp_path / "run"
     overrides = [
-        f"data.folder={corpus}", "data.seq_len=32", "data.every=4", "train.steps=3",
+        f"data.folder={corpus}", f"data.tokenizer={bpe}", "data.seq_len=32", "data.every=4",
+        "train.steps=3",
         "train.batch_size=2", "train.warmup=1", "train.eval_every=3", "train.eval_batches=1",
         "model.d_model=32", "model.n_layers=2", f"out_dir={out}",
         "model.kvm={chunk_len: 8, window_chunks: 2, state_min_len: 8, rope_dim: 4}",
@@ -31,6 +39,7 @@ def test_train_then_eval_and_generate(tmp_path: Path, capsys: pytest.CaptureFixt
     rows = list(csv.DictReader((out / "metrics.csv").open()))
     assert [r["step"] for r in rows] == ["1", "2", "3"] and rows[-1]["eval_loss"]
     assert (out / "model" / "model.safetensors").is_file()
+    assert json.loads((out / "model" / "config.json").read_text())["vocab_size"] == learned
     assert main(["eval-loss", "--config", str(CONFIG), *overrides, "--batches", "1"]) == 0
     assert "held-out loss" in capsys.readouterr().out
     assert (
@@ -47,10 +56,10 @@ def test_train_then_eval_and_generate(tmp_path: Path, capsys: pytest.CaptureFixt
         )
         == 0
     )
-    assert capsys.readouterr().out.startswith("The cat")
+    assert capsys.readouterr().out.startswith("The cat")  # decoded by the model's own BPE
 
 
-def test_overrides_and_bad_runs() -> None:
+def test_overrides_and_bad_runs(capsys: pytest.CaptureFixture[str]) -> None:
     run = load_run(str(CONFIG), ["train.steps=7", "model.mixer=full", "data.seq_len=64"])
     assert run["train"]["steps"] == 7 and run["model"]["mixer"] == "full"
     with pytest.raises(ValueError, match="write key=value"):
@@ -58,11 +67,13 @@ def test_overrides_and_bad_runs() -> None:
     with pytest.raises(ValueError, match="unknown sections"):
         load_run(str(CONFIG), ["optimiser.lr=1"])
     assert main(["train", "--config", str(CONFIG), "model.preset=huge"]) == 2
+    assert main(["train", "--config", str(CONFIG), "data.seqlen=64"]) == 2
+    assert main(["train", "--config", str(CONFIG), "train.parallel=zero"]) == 2
+    err = capsys.readouterr().err
+    assert "data: unknown keys ['seqlen']" in err and "TrainConfig.parallel: must be" in err
 
 
 def test_bench_train_measures_every_variant(tmp_path: Path) -> None:
-    import json
-
     argv = [
         "bench", "train", "--contexts", "128", "--repeats", "1", "--vocab-size", "97",
         "--out-dir", str(tmp_path), "--name", "bt",
@@ -74,3 +85,38 @@ def test_bench_train_measures_every_variant(tmp_path: Path) -> None:
     assert set(report["ratios"]) == {
         f"{v} / full tokens/s at 128" for v in ("kvm_fixed", "kvm_sqrt", "bswa")
     }
+
+
+def test_compare_runs_scores_every_run_on_the_same_rows(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(6):
+        (corpus / f"d{i}.txt").write_text(f"Document {i} says the same thing. " * 80)
+    configs = []
+    for mixer in ("full", "kvm"):
+        run = {
+            "model": {"preset": "tiny", "mixer": mixer, "d_model": 32, "n_layers": 2,
+                      "kvm": {"chunk_len": 8, "window_chunks": 2, "state_min_len": 8,
+                              "rope_dim": 4}},
+            "data": {"folder": str(corpus), "seq_len": 32, "every": 3},
+            "train": {"steps": 4, "batch_size": 2, "warmup": 1, "eval_every": 2},
+            "out_dir": str(tmp_path / mixer),
+        }  # fmt: skip
+        configs.append(tmp_path / f"{mixer}.yaml")
+        configs[-1].write_text(yaml.safe_dump(run))
+        assert main(["train", "--config", str(configs[-1])]) == 0
+    argv = ["compare-runs", "--configs", *map(str, configs), "--out-dir", str(tmp_path)]
+    assert main([*argv, "--batches", "3", "--name", "c"]) == 0
+    report = json.loads((tmp_path / "c.json").read_text())
+    full, kvm = report["runs"]
+    assert (full["label"], kvm["label"]) == ("full", "kvm") and kvm["mixers"] == ["kvm", "kvm"]
+    assert full["held_out_tokens"] == kvm["held_out_tokens"] == 3 * 2 * 32
+    assert full["train_tokens"] == 4 * 2 * 32 and 0 < kvm["train_seconds"]
+    assert full["held_out_loss"] != kvm["held_out_loss"]
+    page = (tmp_path / "c.md").read_text()
+    assert "| full | full |" in page and "+0.00 % |" in page
+    assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+    other = yaml.safe_load(configs[1].read_text())
+    other["data"]["seq_len"] = 16
+    configs[1].write_text(yaml.safe_dump(other))
+    assert main(argv) == 2  # different data: different held-out rows

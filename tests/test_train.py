@@ -49,21 +49,26 @@ def test_mismatched_or_corrupt_checkpoints_are_refused_untouched(tmp_path: Path)
     assert (tmp_path / CHECKPOINT).read_bytes() == b"not a checkpoint"
 
 
-def test_two_torchrun_ranks_give_the_losses_of_one_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_torchrun_ranks_give_the_losses_of_one_process(tmp_path: Path, parallel: str) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
-    def losses(n: int) -> list[float]:
+    def losses(n: int, run: str, *stop_after: str) -> list[float]:
         cmd = [
             sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}",
-            "--master_port=29517", str(HELPER), str(tmp_path / f"run{n}"),
+            "--master_port=29517", str(HELPER), str(tmp_path / run), parallel, *stop_after,
         ]  # fmt: skip
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
         return json.loads(done.stdout.strip().splitlines()[-1])
 
-    one, two = losses(1), losses(2)
-    assert len(one) == len(two) == 4
+    one, two = losses(1, "one"), losses(2, "two")
+    assert len(one) == len(two) == 6  # 4 training losses, then the eval losses of steps 2 and 4
     assert max(abs(a - b) for a, b in zip(one, two, strict=True)) <= 1e-5
+    assert (tmp_path / "two" / "model" / "model.safetensors").is_file()
+    if parallel == "fsdp":  # a sharded run resumes from its gathered checkpoint exactly
+        assert len(losses(2, "resumed", "2")) == 3
+        assert losses(2, "resumed") == two
 
 
 def test_schedule_and_batches() -> None:

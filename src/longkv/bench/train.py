@@ -2,7 +2,7 @@
 
 Each mixer gets the same model shape (LongKVConfig.tiny: 4 layers, d=256) and the same random
 tokens; a step is forward, backward and an AdamW update on one batch of `context` tokens per
-row. The time is the median of `repeats` steps after one warm-up step.
+row. The variants are timed in interleaved rounds (see `run`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 from tqdm import tqdm
 
 from longkv.bench.memory import keep_freed_heap
@@ -50,41 +51,52 @@ class TrainBenchSettings:
     name: str = "bench_train"
 
 
-def step_seconds(model: LongKVForCausalLM, ids: torch.Tensor, repeats: int) -> float:
-    """Median seconds of a forward + backward + AdamW step on ids (B, T), after a warm-up."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    times = []
-    for i in range(repeats + 1):
-        t0 = time.perf_counter()
-        loss = model(ids, labels=ids).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        if i:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def step_seconds(model: LongKVForCausalLM, optimizer: torch.optim.Optimizer, ids: Tensor) -> float:
+    """Seconds of one forward + backward + AdamW step on ids (B, T)."""
+    t0 = time.perf_counter()
+    loss = model(ids, labels=ids).loss
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return time.perf_counter() - t0
 
 
 def run(s: TrainBenchSettings, argv: list[str] | None = None) -> dict[str, Any]:
-    """Tokens per second of every variant at every context, and ratios against full."""
+    """Tokens per second of every variant at every context, and ratios against full.
+
+    Per context, every variant's model is built, then `repeats` + 1 rounds each time one step
+    of every variant in turn (the first round is the warm-up), so slow drifts of the machine
+    touch all variants alike; a variant's time is its median over the rounds.
+    """
     keep_freed_heap()
     rows = []
-    jobs = [(v, T) for T in s.contexts for v in s.variants]
-    for variant, T in tqdm(jobs, desc="bench train", unit="run"):
-        torch.manual_seed(s.seed)
-        model = LongKVForCausalLM(LongKVConfig.tiny(vocab_size=s.vocab_size, **VARIANTS[variant]))
+    for T in s.contexts:
         ids = torch.randint(
             0, s.vocab_size, (s.batch, T), generator=torch.Generator().manual_seed(s.seed)
         )
-        seconds = step_seconds(model.train(), ids, s.repeats)
-        rows.append(
-            {
-                "variant": variant,
-                "context": T,
-                "seconds": seconds,
-                "tokens_per_s": s.batch * T / seconds,
-            }
-        )
+        runs = {}
+        for variant in s.variants:
+            torch.manual_seed(s.seed)
+            config = LongKVConfig.tiny(vocab_size=s.vocab_size, **VARIANTS[variant])
+            model = LongKVForCausalLM(config).train()
+            runs[variant] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+        times: dict[str, list[float]] = {variant: [] for variant in s.variants}
+        for r in tqdm(range(s.repeats + 1), desc=f"bench train {T}", unit="round"):
+            for variant, (model, optimizer) in runs.items():
+                seconds = step_seconds(model, optimizer, ids)
+                if r:
+                    times[variant].append(seconds)
+        for variant in s.variants:
+            seconds = statistics.median(times[variant])
+            rows.append(
+                {
+                    "variant": variant,
+                    "context": T,
+                    "seconds": seconds,
+                    "tokens_per_s": s.batch * T / seconds,
+                }
+            )
+        del runs
     full = {r["context"]: r["tokens_per_s"] for r in rows if r["variant"] == "full"}
     ratios = {
         f"{r['variant']} / full tokens/s at {r['context']}": r["tokens_per_s"] / full[r["context"]]
@@ -98,7 +110,8 @@ def save(report: dict[str, Any], s: TrainBenchSettings) -> list[Path]:
     """results/<name>.json and .md."""
     lines = [
         f"- model: LongKVConfig.tiny (4 layers, d=256, 4 heads), batch {s.batch}, fp32, "
-        f"median of {s.repeats} steps (forward, backward, AdamW) after a warm-up",
+        f"a step is forward, backward, AdamW; median of {s.repeats} rounds, each timing one step "
+        "of every variant in turn, after a warm-up round",
         "",
         "| variant | context | s/step | tokens/s |",
         "|---|---:|---:|---:|",

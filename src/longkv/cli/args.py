@@ -17,3 +17,12 @@ def settings_from_args(cls: type[S], args: argparse.Namespace) -> S:
             value = getattr(args, f.name)
             values[f.name] = tuple(value) if isinstance(value, list) else value
     return cls(**values)
+
+
+def settings_from_section(cls: type[S], name: str, values: dict[str, Any]) -> S:
+    """cls built from one section of a YAML run; a key that is not a field is a ValueError."""
+    known = sorted(f.name for f in fields(cls))  # type: ignore[arg-type]
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ValueError(f"{name}: unknown keys {unknown}; use {known}")
+    return cls(**values)

@@ -1,28 +1,36 @@
-"""`longkv train`, `longkv eval-loss`, `longkv generate`: longkv language models end to end.
+"""`longkv train`, `eval-loss`, `generate` and `tokenizer train`: longkv LMs end to end.
 
-A run is a YAML file with `model` (a preset and LongKVConfig fields), `data` (seq_len, folder,
-every), `train` (TrainConfig fields) and `out_dir`; `key=value` arguments override any entry
+A run is a YAML file with `model` (a preset and LongKVConfig fields), `data` (DataConfig
+fields), `train` (TrainConfig fields) and `out_dir`; `key=value` arguments override any entry
 (`train.steps=10`, `model.mixer=full`), values read as YAML.
 """
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
+from tqdm import tqdm
 
+from longkv.cli.args import settings_from_section
 from longkv.models import LongKVConfig, LongKVForCausalLM
+from longkv.results import provenance, write_report
 from longkv.train.data import (
+    DataConfig,
     document_files,
-    gpt2_tokenizer,
-    pack_files,
+    pack_texts,
     packed_corpus,
-    split_files,
+    read_document,
+    split_every,
+    split_texts,
 )
-from longkv.train.loop import TrainConfig, evaluate, train
+from longkv.train.loop import TrainConfig, evaluate, train, world
+from longkv.train.report import markdown_table, plot_runs, read_metrics, score_run
+from longkv.train.tokenizer import load_tokenizer, train_bpe
 
 PRESETS = {
     "tiny": LongKVConfig.tiny,
@@ -61,7 +69,7 @@ def model_config(section: dict[str, Any], vocab_size: int) -> LongKVConfig:
 
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:
-    """Register `train`, `eval-loss` and `generate`."""
+    """Register `train`, `eval-loss`, `generate` and `tokenizer train`."""
     p = commands.add_parser("train", help="train a longkv language model from a YAML run")
     p.add_argument("--config", required=True, help="YAML run file, e.g. configs/tiny_kvm.yaml")
     p.add_argument("overrides", nargs="*", help="key=value, e.g. train.steps=10")
@@ -73,6 +81,9 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     e.set_defaults(func=run_eval)
     g = commands.add_parser("generate", help="continue a prompt with a trained model")
     g.add_argument("--model", required=True, help="a saved model folder, e.g. runs/x/model")
+    g.add_argument(
+        "--tokenizer", default=None, help="default: the model folder's own, else the shared GPT-2"
+    )
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--sample", action="store_true", help="sample instead of greedy")
@@ -80,22 +91,47 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     g.add_argument("--top-k", type=int, default=None)
     g.add_argument("--seed", type=int, default=0)
     g.set_defaults(func=run_generate)
+    tok = commands.add_parser("tokenizer", help="tokenizers for longkv runs")
+    t = tok.add_subparsers(dest="tokenizer_command", required=True).add_parser(
+        "train",
+        help="train a byte-level BPE on a corpus's training documents",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    t.add_argument("--out", required=True, help="folder for the tokenizer (data.tokenizer)")
+    t.add_argument("--vocab-size", type=int, default=8192)
+    t.add_argument("--min-frequency", type=int, default=2)
+    t.add_argument("--corpus-dir", default=None, help="default: ../shared/data/corpus")
+    t.add_argument("--every", type=int, default=20, help="held-out documents: never seen")
+    t.set_defaults(func=run_tokenizer_train)
+    c = commands.add_parser(
+        "compare-runs",
+        help="finished runs side by side: held-out loss on the same rows, time, loss curves",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    c.add_argument("--configs", nargs="+", required=True, help="YAML runs; the first is the base")
+    c.add_argument("--batches", type=int, default=64, help="held-out batches (capped at all)")
+    c.add_argument("--out-dir", default="results")
+    c.add_argument("--name", default="compare_runs", help="result file stem")
+    c.set_defaults(func=run_compare)
 
 
-def _data(run: dict[str, Any]) -> tuple[int, str | None, int]:
-    """(seq_len, folder, every) of the run's data section."""
-    data = run.get("data", {})
-    return data.get("seq_len", 512), data.get("folder"), data.get("every", 20)
+def _settings(run: dict[str, Any]) -> tuple[DataConfig, TrainConfig, Path]:
+    """The run's data and train sections, validated, and its out_dir."""
+    data = settings_from_section(DataConfig, "data", run.get("data") or {})
+    cfg = settings_from_section(TrainConfig, "train", run.get("train") or {})
+    return data, cfg, Path(run.get("out_dir", "runs/longkv"))
 
 
 def run_train(args: argparse.Namespace, argv: list[str]) -> int:
     run = load_run(args.config, args.overrides)
-    tokenizer = gpt2_tokenizer()
-    config = model_config(run.get("model", {}), len(tokenizer))
-    cfg = TrainConfig(**run.get("train", {}))
-    text = packed_corpus(tokenizer, *_data(run))
-    out = run.get("out_dir", "runs/longkv")
+    data, cfg, out = _settings(run)
+    tokenizer = load_tokenizer(data.tokenizer)
+    config = model_config(run.get("model") or {}, len(tokenizer))
+    text = packed_corpus(tokenizer, data)
     metrics = train(config, cfg, text.train, text.held_out, out)
+    if world()[0] != 0:
+        return 0
+    tokenizer.save_pretrained(out / "model")  # generate finds it beside the weights
     last = metrics[-1]
     eval_loss = last.get("eval_loss", float("nan"))
     print(f"step {last['step']}: loss {last['loss']:.4f}, eval loss {eval_loss:.4f}")
@@ -105,12 +141,11 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> int:
 
 def run_eval(args: argparse.Namespace, argv: list[str]) -> int:
     run = load_run(args.config, args.overrides)
-    cfg = TrainConfig(**run.get("train", {}))
-    seq_len, folder, every = _data(run)
-    held = pack_files(gpt2_tokenizer(), split_files(document_files(folder), every)[1], seq_len)
-    path = Path(run.get("out_dir", "runs/longkv")) / "model"  # written by `longkv train`
+    data, cfg, out = _settings(run)
+    path = out / "model"  # written by `longkv train`
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no trained model in {path}; run `longkv train` with this run")
+    held = pack_texts(load_tokenizer(data.tokenizer), split_texts(data)[1], data.seq_len)
     model = LongKVForCausalLM.from_pretrained(path).eval()
     loss = evaluate(model, held, args.batches, cfg.batch_size)
     print(f"held-out loss {loss:.4f} over {args.batches} batches of {cfg.batch_size}")
@@ -119,7 +154,8 @@ def run_eval(args: argparse.Namespace, argv: list[str]) -> int:
 
 def run_generate(args: argparse.Namespace, argv: list[str]) -> int:
     model = LongKVForCausalLM.from_pretrained(args.model).eval()
-    tokenizer = gpt2_tokenizer()
+    own = (Path(args.model) / "tokenizer_config.json").is_file()
+    tokenizer = load_tokenizer(args.tokenizer or (args.model if own else None))
     ids = torch.tensor([tokenizer(args.prompt)["input_ids"]])
     out = model.generate(
         ids, args.max_new_tokens, do_sample=args.sample, temperature=args.temperature,
@@ -127,4 +163,49 @@ def run_generate(args: argparse.Namespace, argv: list[str]) -> int:
         generator=torch.Generator().manual_seed(args.seed),
     )  # fmt: skip
     print(tokenizer.decode(out[0]))
+    return 0
+
+
+def run_tokenizer_train(args: argparse.Namespace, argv: list[str]) -> int:
+    train_files, held_files = split_every(document_files(args.corpus_dir), args.every)
+    tokenizer = train_bpe(train_files, args.vocab_size, args.out, min_frequency=args.min_frequency)
+    text = "".join(read_document(f) for f in held_files[:3])
+    per_token = len(text) / max(1, len(tokenizer(text)["input_ids"]))
+    short = "" if len(tokenizer) == args.vocab_size else " (no more pairs seen often enough)"
+    print(f"{len(tokenizer)} tokens{short}; {per_token:.2f} characters per held-out token")
+    print(f"wrote {args.out}; use it with data.tokenizer={args.out}")
+    return 0
+
+
+def run_compare(args: argparse.Namespace, argv: list[str]) -> int:
+    runs = [(Path(c).stem, *_settings(load_run(c, []))) for c in args.configs]
+    data, base_cfg = runs[0][1], runs[0][2]
+    if any(d != data for _, d, _, _ in runs):
+        raise ValueError(
+            "--configs: the runs' data sections differ, so their held-out rows would too; "
+            "compare runs trained on the same data"
+        )
+    held = pack_texts(load_tokenizer(data.tokenizer), split_texts(data)[1], data.seq_len)
+    results = [
+        score_run(label, out, cfg.batch_size, held, base_cfg.batch_size, args.batches)
+        for label, _, cfg, out in tqdm(runs, desc="score", unit="run")
+    ]
+    stem = Path(args.out_dir) / args.name
+    table = markdown_table(results)
+    body = [
+        "",
+        f"Held-out loss: mean next-token loss over the same {results[0].held_out_tokens:,} "
+        "held-out tokens for every run (documents never trained on). Train minutes: the "
+        "runs' own clock (metrics.csv `seconds`: steps and evaluations, not checkpoint writes).",
+        "",
+        *table,
+        "",
+        f"![loss curves]({stem.name}.png)",
+    ]
+    payload = {"provenance": provenance(argv), "runs": [asdict(r) for r in results]}
+    print("\n".join(table))
+    write_report(stem, "longkv compare-runs: " + ", ".join(args.configs), payload, body)
+    curves = {label: read_metrics(out / "metrics.csv") for label, _, _, out in runs}
+    plot_runs(curves, stem.with_suffix(".png"), "loss curves: " + ", ".join(curves))
+    print(f"wrote {stem}.json, {stem}.md, {stem}.png")
     return 0

@@ -1,36 +1,64 @@
-"""Training text: documents from a folder, the GPT-2 tokenizer, packed fixed-length sequences.
+"""Training text: documents from a folder or a Hugging Face dataset, packed into fixed rows.
 
-Documents are whole files (plain or .gz text). The held-out split is by document, so no held-out
-text is in the training mix: with `every` = k, the files at sorted positions k-1, 2k-1, ... are
-held out. Packing joins each document's tokens and a separator token (GPT-2's <|endoftext|>)
-into one stream and cuts it into rows of seq_len + 1 tokens (inputs and next-token labels);
-the tail that does not fill a row is dropped.
+Documents are whole files (plain or .gz text), or the rows of a dataset's text field. The
+held-out split is by document, so no held-out text is in the training mix: with `every` = k,
+the documents at positions k-1, 2k-1, ... (files sorted by path) are held out. Packing joins
+each document's tokens and a separator (the tokenizer's eos: <|endoftext|> for GPT-2 and for
+`longkv tokenizer train`) into one stream and cuts it into rows of seq_len + 1 tokens (inputs
+and next-token labels); the tail that does not fill a row is dropped.
 """
 
 from __future__ import annotations
 
 import gzip
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
 
+from longkv.checks import require
 from longkv.data.corpus import corpus_dir
 
+Item = TypeVar("Item")
+DATASET_KEYS = ("path", "name", "split", "field")
 
-def gpt2_tokenizer(path: str | Path | None = None) -> Any:
-    """The GPT-2 BPE from shared/data/tokenizers/gpt2 (or `path`), loaded offline."""
-    from transformers import GPT2TokenizerFast
 
-    folder = Path(path) if path is not None else corpus_dir().parent / "tokenizers" / "gpt2"
-    if not (folder / "vocab.json").is_file():
-        raise FileNotFoundError(
-            f"GPT-2 tokenizer files not found in {folder}; pass the folder holding vocab.json "
-            "and merges.txt (shared/data/tokenizers/gpt2)"
+@dataclass(frozen=True)
+class DataConfig:
+    """Where a run's text comes from and how it is cut.
+
+    folder: documents (default: the shared corpus); dataset: a Hugging Face dataset instead,
+    {"path": ..., "name": None, "split": "train", "field": "text"} as `datasets.load_dataset`
+    takes them (needs the `datasets` package and the hub or a local copy); tokenizer: a
+    tokenizer folder (default: the shared GPT-2 BPE).
+    """
+
+    seq_len: int = 512
+    every: int = 20
+    folder: str | None = None
+    dataset: dict[str, str] | None = None
+    tokenizer: str | None = None
+
+    def __post_init__(self) -> None:
+        require(self.seq_len >= 1, "data.seq_len", f"must be >= 1, got {self.seq_len}")
+        require(
+            self.every >= 2,
+            "data.every",
+            f"must be >= 2 so that something is left to train on, got {self.every}",
         )
-    return GPT2TokenizerFast.from_pretrained(folder)
+        if self.dataset is not None:
+            require(
+                self.folder is None, "data.dataset", "give data.folder or data.dataset, not both"
+            )
+            unknown = sorted(set(self.dataset) - set(DATASET_KEYS))
+            require(
+                "path" in self.dataset and not unknown,
+                "data.dataset",
+                f"needs a path and only the keys {DATASET_KEYS}, got {sorted(self.dataset)}",
+            )
 
 
 def document_files(folder: str | Path | None = None) -> list[Path]:
@@ -50,12 +78,33 @@ def read_document(path: Path) -> str:
     return path.read_text(encoding="utf-8")
 
 
-def split_files(files: list[Path], every: int = 20) -> tuple[list[Path], list[Path]]:
-    """(train, held-out): every `every`-th file of the sorted list is held out."""
+def dataset_texts(spec: dict[str, str]) -> list[str]:
+    """The non-empty texts of a Hugging Face dataset split (see DataConfig.dataset)."""
+    try:
+        from datasets import load_dataset
+    except ImportError as err:
+        raise ValueError(
+            "data.dataset: needs the `datasets` package (pip install datasets), or use "
+            "data.folder for a folder of text files"
+        ) from err
+    rows = load_dataset(spec["path"], spec.get("name"), split=spec.get("split", "train"))
+    field = spec.get("field", "text")
+    if field not in rows.column_names:
+        raise ValueError(
+            f"data.dataset.field: {field!r} is not a column of {spec['path']} "
+            f"({rows.column_names}); set field to the text column"
+        )
+    return [text for text in rows[field] if text.strip()]
+
+
+def split_every(items: list[Item], every: int = 20) -> tuple[list[Item], list[Item]]:
+    """(train, held-out): the items at positions every-1, 2*every-1, ... are held out."""
     if every < 2:
         raise ValueError(f"every: must be >= 2 so that something is left to train on, got {every}")
-    held = [f for i, f in enumerate(files) if i % every == every - 1]
-    return [f for f in files if f not in held], held
+    return (
+        [x for i, x in enumerate(items) if i % every != every - 1],
+        [x for i, x in enumerate(items) if i % every == every - 1],
+    )
 
 
 def pack(docs: list[list[int]], seq_len: int, separator: int) -> Tensor:
@@ -67,28 +116,33 @@ def pack(docs: list[list[int]], seq_len: int, separator: int) -> Tensor:
     return torch.tensor(stream[: rows * (seq_len + 1)], dtype=torch.long).view(rows, seq_len + 1)
 
 
-@dataclass(frozen=True)
-class PackedText:
-    """Packed training and held-out rows, and the files each came from."""
-
-    train: Tensor
-    held_out: Tensor
-    train_files: list[Path]
-    held_out_files: list[Path]
-
-
-def packed_corpus(
-    tokenizer: Any, seq_len: int, folder: str | Path | None = None, every: int = 20
-) -> PackedText:
-    """Tokenize and pack a folder of documents into training and held-out rows."""
-    train_files, held_files = split_files(document_files(folder), every)
-    train = pack_files(tokenizer, train_files, seq_len)
-    return PackedText(train, pack_files(tokenizer, held_files, seq_len), train_files, held_files)
-
-
-def pack_files(tokenizer: Any, files: list[Path], seq_len: int) -> Tensor:
-    """(N, seq_len + 1) packed rows of the documents in files, EOS between documents."""
+def pack_texts(tokenizer: Any, texts: Iterable[str], seq_len: int) -> Tensor:
+    """(N, seq_len + 1) packed rows of the texts, the tokenizer's eos between documents."""
     sep = tokenizer.eos_token_id
     if sep is None:
         raise ValueError("tokenizer: has no eos_token_id to separate documents")
-    return pack([tokenizer(read_document(f))["input_ids"] for f in files], seq_len, sep)
+    return pack([tokenizer(text)["input_ids"] for text in texts], seq_len, sep)
+
+
+@dataclass(frozen=True)
+class PackedText:
+    """Packed training and held-out rows, (N, seq_len + 1) each."""
+
+    train: Tensor
+    held_out: Tensor
+
+
+def split_texts(data: DataConfig) -> tuple[Iterable[str], Iterable[str]]:
+    """(training texts, held-out texts) of the run's folder or dataset, read lazily from files."""
+    if data.dataset is not None:
+        return split_every(dataset_texts(data.dataset), data.every)
+    train, held = split_every(document_files(data.folder), data.every)
+    return map(read_document, train), map(read_document, held)
+
+
+def packed_corpus(tokenizer: Any, data: DataConfig) -> PackedText:
+    """Tokenize and pack the run's documents into training and held-out rows."""
+    train, held = split_texts(data)
+    return PackedText(
+        pack_texts(tokenizer, train, data.seq_len), pack_texts(tokenizer, held, data.seq_len)
+    )

@@ -1,0 +1,108 @@
+"""Trained runs side by side: held-out loss on the same rows, training time, loss curves."""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch import Tensor
+
+from longkv.models import LongKVForCausalLM
+from longkv.results import pyplot, save_figure
+from longkv.train.loop import evaluate
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """One finished run, scored on held-out rows shared by every run in the comparison."""
+
+    label: str
+    out_dir: str
+    mixers: list[str]
+    parameters: int
+    steps: int
+    train_tokens: int
+    train_seconds: float
+    held_out_loss: float
+    held_out_tokens: int
+
+
+def read_metrics(path: Path) -> list[dict[str, float]]:
+    """metrics.csv of a run: one dict per step (eval_loss only on eval steps)."""
+    if not path.is_file():
+        raise FileNotFoundError(f"no {path.name} in {path.parent}; run `longkv train` first")
+    with path.open(newline="") as f:
+        return [{k: float(v) for k, v in row.items() if v} for row in csv.DictReader(f)]
+
+
+def score_run(
+    label: str, out: Path, train_batch: int, held_out: Tensor, eval_batch: int, batches: int
+) -> RunResult:
+    """The run in out, its model scored on the first `batches` batches of held_out (N, L + 1).
+
+    train_batch: the run's rows per step (for its token count); eval_batch: rows per held-out
+    batch, the same for every run compared.
+    """
+    folder = out / "model"
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"no finished model in {folder}; finish `longkv train` first")
+    model = LongKVForCausalLM.from_pretrained(folder).eval()
+    metrics = read_metrics(out / "metrics.csv")
+    steps = int(metrics[-1]["step"])
+    n = min(batches, len(held_out) // eval_batch)
+    return RunResult(
+        label=label,
+        out_dir=str(out),
+        mixers=model.config.mixers,
+        parameters=sum(p.numel() for p in model.parameters()),
+        steps=steps,
+        train_tokens=steps * train_batch * (held_out.shape[1] - 1),
+        train_seconds=metrics[-1]["seconds"],
+        held_out_loss=evaluate(model, held_out, n, eval_batch),
+        held_out_tokens=n * eval_batch * (held_out.shape[1] - 1),
+    )
+
+
+def markdown_table(results: list[RunResult]) -> list[str]:
+    """The comparison as a markdown table; the last column is relative to the first run."""
+    base = results[0].held_out_loss
+    lines = [
+        f"| run | mixers | parameters | steps | tokens | train minutes | held-out loss | "
+        f"vs {results[0].label} |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r.label} | {'/'.join(dict.fromkeys(r.mixers))} | {r.parameters:,} | {r.steps} | "
+            f"{r.train_tokens:,} | {r.train_seconds / 60:.1f} | {r.held_out_loss:.4f} | "
+            f"{100 * (r.held_out_loss / base - 1):+.2f} % |"
+        )
+    return lines
+
+
+def plot_runs(curves: dict[str, list[dict[str, float]]], path: Path, title: str) -> None:
+    """Training loss (faint) and eval loss (markers) against step and against wall time."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for (label, rows), colour in zip(curves.items(), colours, strict=False):
+        evals = [r for r in rows if "eval_loss" in r]
+        for ax, x in zip(axes, ("step", "seconds"), strict=True):
+            scale = 1 / 60 if x == "seconds" else 1
+            ax.plot(
+                [r[x] * scale for r in rows], [r["loss"] for r in rows], color=colour, alpha=0.3
+            )
+            ax.plot(
+                [r[x] * scale for r in evals], [r["eval_loss"] for r in evals],
+                marker="o", color=colour, label=f"{label} (held-out)",
+            )  # fmt: skip
+    axes[0].set_xlabel("step")
+    axes[1].set_xlabel("training minutes")
+    axes[0].set_ylabel("next-token loss (nats)")
+    for ax in axes:
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    save_figure(fig, path)
