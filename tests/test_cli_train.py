@@ -115,6 +115,7 @@ def test_compare_runs_scores_every_run_on_the_same_rows(tmp_path: Path) -> None:
     assert full["held_out_loss"] != kvm["held_out_loss"]
     page = (tmp_path / "c.md").read_text()
     assert "| full | full |" in page and "+0.00 % |" in page
+    assert f"- kvm: `longkv train --config {configs[1]}` at commit " in page
     assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
     other = yaml.safe_load(configs[1].read_text())
     other["data"]["seq_len"] = 16

@@ -79,3 +79,20 @@ def test_schedule_and_batches() -> None:
     assert sorted(epoch.tolist()) == list(range(64))
     with pytest.raises(ValueError, match=r"TrainConfig\.steps: must be >= 1"):
         TrainConfig(steps=0)
+
+
+def test_tensorboard_gets_every_metric_across_a_resume(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    train(CONFIG, CFG, ROWS, ROWS[:16], tmp_path, stop_after=2)
+    at_step_2 = (tmp_path / CHECKPOINT).read_bytes()
+    train(CONFIG, CFG, ROWS, ROWS[:16], tmp_path, stop_after=4)
+    (tmp_path / CHECKPOINT).write_bytes(at_step_2)  # a crash after logging steps 3 and 4
+    metrics = train(CONFIG, CFG, ROWS, ROWS[:16], tmp_path)
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    for key in ("loss", "lr", "eval_loss"):
+        logged = [(e.step, e.value) for e in events.Scalars(key)]
+        expected = [(m["step"], m[key]) for m in metrics if key in m]
+        assert [s for s, _ in logged] == [s for s, _ in expected]  # replayed steps once
+        assert max(abs(a - b) for (_, a), (_, b) in zip(logged, expected, strict=True)) < 1e-6

@@ -29,7 +29,14 @@ from longkv.train.data import (
     split_texts,
 )
 from longkv.train.loop import TrainConfig, evaluate, train, world
-from longkv.train.report import markdown_table, plot_runs, read_metrics, score_run
+from longkv.train.report import (
+    PROVENANCE,
+    markdown_table,
+    plot_runs,
+    read_metrics,
+    record_provenance,
+    score_run,
+)
 from longkv.train.tokenizer import load_tokenizer, train_bpe
 
 PRESETS = {
@@ -128,6 +135,8 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> int:
     tokenizer = load_tokenizer(data.tokenizer)
     config = model_config(run.get("model") or {}, len(tokenizer))
     text = packed_corpus(tokenizer, data)
+    if world()[0] == 0:  # every invocation (first run and resumes) leaves its record
+        record_provenance(out / PROVENANCE, provenance(argv))
     metrics = train(config, cfg, text.train, text.held_out, out)
     if world()[0] != 0:
         return 0
@@ -199,6 +208,8 @@ def run_compare(args: argparse.Namespace, argv: list[str]) -> int:
         "runs' own clock (metrics.csv `seconds`: steps and evaluations, not checkpoint writes).",
         "",
         *table,
+        "",
+        *[f"- {r.label}: {r.trained_by}" for r in results],
         "",
         f"![loss curves]({stem.name}.png)",
     ]

@@ -137,16 +137,17 @@ def distribute(
     return nn.parallel.DistributedDataParallel(model, device_ids=ids)
 
 
-def tensorboard_writer(out: Path, start: int) -> Any:
+def tensorboard_writer(out: Path, first_step: int) -> Any:
     """A SummaryWriter in out/tensorboard when tensorboard is installed, else None.
 
-    Events at steps >= start (logged before an interruption, then replayed) are purged.
+    Events at steps >= first_step (the first this process logs) are purged: an interrupted run
+    logged them after its last checkpoint, and the resumed run logs them again.
     """
     if importlib.util.find_spec("tensorboard") is None:
         return None
     from torch.utils.tensorboard import SummaryWriter
 
-    return SummaryWriter(str(out / "tensorboard"), purge_step=start)
+    return SummaryWriter(str(out / "tensorboard"), purge_step=first_step)
 
 
 def train(
@@ -194,7 +195,7 @@ def train(
     autocast = torch.autocast(
         device.type, dtype=torch.bfloat16, enabled=cfg.amp and device.type == "cuda"
     )
-    writer = tensorboard_writer(out, start) if rank == 0 else None
+    writer = tensorboard_writer(out, start + 1) if rank == 0 else None  # rows count from 1
     local = cfg.batch_size // size
     elapsed = metrics[-1]["seconds"] if metrics else 0.0  # training time, resumes included
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import csv
+import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from torch import Tensor
 
 from longkv.models import LongKVForCausalLM
-from longkv.results import pyplot, save_figure
+from longkv.results import pyplot, save_figure, write_atomic
 from longkv.train.loop import evaluate
+
+PROVENANCE = "provenance.json"  # in a run's out_dir: one record per `longkv train` invocation
 
 
 @dataclass(frozen=True)
@@ -26,6 +30,25 @@ class RunResult:
     train_seconds: float
     held_out_loss: float
     held_out_tokens: int
+    trained_by: str
+
+
+def record_provenance(path: Path, record: dict[str, Any]) -> None:
+    """Append record (command, commit, machine) to the JSON list at path."""
+    records = json.loads(path.read_text()) if path.is_file() else []
+    write_atomic(path, json.dumps([*records, record], indent=2) + "\n")
+
+
+def trained_by(out: Path) -> str:
+    """The commands and commits that trained the run in out, from its provenance.json."""
+    path = out / PROVENANCE
+    if not path.is_file():
+        return f"no {PROVENANCE} in {out}"
+    return "; ".join(
+        f"`{r['command']}` at commit {r['commit'][:12]} on {r['machine']['cpu_count']} CPUs, "
+        f"{r['date']}"
+        for r in json.loads(path.read_text())
+    )
 
 
 def read_metrics(path: Path) -> list[dict[str, float]]:
@@ -61,6 +84,7 @@ def score_run(
         train_seconds=metrics[-1]["seconds"],
         held_out_loss=evaluate(model, held_out, n, eval_batch),
         held_out_tokens=n * eval_batch * (held_out.shape[1] - 1),
+        trained_by=trained_by(out),
     )
 
 
