@@ -82,7 +82,7 @@ def test_loss_is_next_token_cross_entropy() -> None:
 
 
 def test_save_and_load_reproduce_the_logits(tmp_path: Path) -> None:
-    model = tiny(["kvm", "swa", "kvm", "swa"], "saturation")
+    model = tiny(["kvm", "swa", "kvm", "swa"], "saturation", extras=True)
     ids = torch.randint(0, V, (1, T))
     model.save_pretrained(tmp_path)
     assert (tmp_path / "model.safetensors").is_file()

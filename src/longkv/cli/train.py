@@ -135,11 +135,10 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> int:
     tokenizer = load_tokenizer(data.tokenizer)
     config = model_config(run.get("model") or {}, len(tokenizer))
     text = packed_corpus(tokenizer, data)
-    if world()[0] == 0:  # every invocation (first run and resumes) leaves its record
-        record_provenance(out / PROVENANCE, provenance(argv))
     metrics = train(config, cfg, text.train, text.held_out, out)
     if world()[0] != 0:
         return 0
+    record_provenance(out / PROVENANCE, provenance(argv))  # the run's finishing invocation
     tokenizer.save_pretrained(out / "model")  # generate finds it beside the weights
     last = metrics[-1]
     eval_loss = last.get("eval_loss", float("nan"))

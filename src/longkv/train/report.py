@@ -14,7 +14,7 @@ from longkv.models import LongKVForCausalLM
 from longkv.results import pyplot, save_figure, write_atomic
 from longkv.train.loop import evaluate
 
-PROVENANCE = "provenance.json"  # in a run's out_dir: one record per `longkv train` invocation
+PROVENANCE = "provenance.json"  # in a run's out_dir: a record per finished `longkv train`
 
 
 @dataclass(frozen=True)
