@@ -55,8 +55,8 @@ def test_two_torchrun_ranks_give_the_losses_of_one_process(tmp_path: Path, paral
 
     def losses(n: int, run: str, *stop_after: str) -> list[float]:
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}",
-            "--master_port=29517", str(HELPER), str(tmp_path / run), parallel, *stop_after,
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+            str(HELPER), str(tmp_path / run), parallel, *stop_after,
         ]  # fmt: skip
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
