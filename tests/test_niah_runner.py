@@ -33,9 +33,16 @@ def test_runner_answers_saves_and_resumes(tmp_path: Path) -> None:
     assert saved["fold_equals_full"] and len(saved["records"]) == 3
     assert saved["accuracy"]["niah_single_1/fold/1024"] == 100.0
     assert "| niah_single_1 | streaming | 0.0 | 0.0 |" in accuracy_table(run)
-    # a rerun with the same settings reuses every record and runs nothing
-    again = run_niah(torch.nn.Linear(1, 1), tokenizer, settings, path)  # would fail if used
-    assert [r.key for r in again.records] == [r.key for r in run.records]
+    # an interrupted grid (its last answer missing) resumes, keeping the answers it saved
+    saved["records"] = saved["records"][:2]
+    path.write_text(json.dumps(saved))
+    resumed = run_niah(model, tokenizer, settings, path)
+    assert [r.seconds for r in resumed.records[:2]] == [r["seconds"] for r in saved["records"]]
+    assert [r.key for r in resumed.records] == [r.key for r in run.records]
+    assert resumed.records[2].tokens == by["streaming"].tokens
+    # a finished grid is measured again, not replayed
+    again = run_niah(model, tokenizer, settings, path)
+    assert len(again.records) == 3 and again.records[0].seconds != resumed.records[0].seconds
     heatmap(run, tmp_path / "niah.png")
     assert (tmp_path / "niah.png").read_bytes()[:4] == b"\x89PNG"
 
