@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor, nn
 
+from longkv.decoding import decode
 from longkv.fold.fold import FoldRunner, Forward, kv_fold
 
 
@@ -13,24 +13,12 @@ def greedy_decode(
 ) -> Tensor:
     """Greedy tokens (B, n <= max_new_tokens) continuing whatever `forward` carries.
 
-    logits: (B, V) after the last token fed; forward: ids (B, 1) -> logits (B, 1, V). A row that
-    emitted eos_token_id keeps emitting it; decoding stops when every row has.
+    logits: (B, V) after the last token fed; forward: ids (B, 1) -> logits (B, 1, V); eos as in
+    `longkv.decoding.decode`.
     """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
-    done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
-    tokens = []
-    with torch.inference_mode():
-        for i in range(max_new_tokens):
-            nxt = logits.argmax(dim=-1)
-            if eos_token_id is not None:
-                nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
-                done |= nxt == eos_token_id
-            tokens.append(nxt)
-            if i + 1 == max_new_tokens or bool(done.all()):
-                break
-            logits = forward(nxt[:, None])[:, -1]
-    return torch.stack(tokens, dim=1)
+    return decode(
+        lambda ids: forward(ids)[:, -1], logits, max_new_tokens, eos_token_id=eos_token_id
+    )
 
 
 def fold_generate(

@@ -17,6 +17,7 @@ from longkv.attention.layers import (
     FullAttention,
     SlidingWindowAttention,
 )
+from longkv.decoding import decode, greedy
 from longkv.kvm.layer import KVMAttention
 from longkv.models.config import LongKVConfig
 
@@ -171,32 +172,30 @@ class LongKVForCausalLM(PreTrainedModel):
         use_cache=False every step recomputes from scratch (the reference the cache must match).
         A row that emitted eos_token_id keeps emitting it; generation stops when all have.
         """
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
         if do_sample and temperature <= 0:
             raise ValueError(f"temperature: must be > 0 when sampling, got {temperature}")
         out = self(input_ids)
-        tokens, cache = input_ids, out.cache
-        logits = out.logits[:, -1]
-        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-        for i in range(max_new_tokens):
-            if do_sample:
-                scaled = logits.double() / temperature
-                if top_k is not None:
-                    kth = scaled.topk(min(top_k, scaled.shape[-1]), dim=-1).values[:, -1:]
-                    scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-                nxt = torch.multinomial(scaled.softmax(-1), 1, generator=generator)[:, 0]
-            else:
-                nxt = logits.argmax(dim=-1)
-            if eos_token_id is not None:
-                nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
-                done |= nxt == eos_token_id
-            tokens = torch.cat([tokens, nxt[:, None]], dim=1)
-            if i + 1 == max_new_tokens or bool(done.all()):
-                break
-            out = self(nxt[:, None], cache=cache) if use_cache else self(tokens)
-            cache, logits = out.cache, out.logits[:, -1]
-        return tokens
+        cache, tokens = out.cache, input_ids
+
+        def step(ids: Tensor) -> Tensor:  # (B, 1) -> logits (B, V)
+            nonlocal cache, tokens
+            tokens = torch.cat([tokens, ids], dim=1)
+            out = self(ids, cache=cache) if use_cache else self(tokens)
+            cache = out.cache
+            return out.logits[:, -1]
+
+        def sample(logits: Tensor) -> Tensor:
+            scaled = logits.double() / temperature
+            if top_k is not None:
+                kth = scaled.topk(min(top_k, scaled.shape[-1]), dim=-1).values[:, -1:]
+                scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+            return torch.multinomial(scaled.softmax(-1), 1, generator=generator)[:, 0]
+
+        new = decode(
+            step, out.logits[:, -1], max_new_tokens,
+            pick=sample if do_sample else greedy, eos_token_id=eos_token_id,
+        )  # fmt: skip
+        return torch.cat([input_ids, new], dim=1)
 
 
 AutoConfig.register("longkv", LongKVConfig)
