@@ -17,6 +17,7 @@ import yaml
 from tqdm import tqdm
 
 from longkv.cli.args import settings_from_section
+from longkv.data.corpus import read_document
 from longkv.models import LongKVConfig, LongKVForCausalLM
 from longkv.results import provenance, write_report
 from longkv.train.data import (
@@ -24,7 +25,6 @@ from longkv.train.data import (
     document_files,
     pack_texts,
     packed_corpus,
-    read_document,
     split_every,
     split_texts,
 )

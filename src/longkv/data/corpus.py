@@ -31,6 +31,14 @@ def corpus_dir(path: str | os.PathLike[str] | None = None) -> Path:
     return folder
 
 
+def read_document(path: Path) -> str:
+    """The text of a plain or gzipped (.gz) UTF-8 file."""
+    if path.name.endswith(".gz"):
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            return f.read()
+    return path.read_text(encoding="utf-8")
+
+
 def read_text(name: str, path: str | os.PathLike[str] | None = None) -> str:
     """The text of one corpus file, e.g. "mobydick.txt.gz" or "austen/emma.txt.gz"."""
     file = corpus_dir(path) / name
@@ -38,8 +46,7 @@ def read_text(name: str, path: str | os.PathLike[str] | None = None) -> str:
         raise FileNotFoundError(
             f"corpus file {file} not found; see shared/data/README.md for the files it holds"
         )
-    with gzip.open(file, "rt", encoding="utf-8") as f:
-        return f.read()
+    return read_document(file)
 
 
 def text_tokens(

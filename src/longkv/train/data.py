@@ -10,7 +10,6 @@ and next-token labels); the tail that does not fill a row is dropped.
 
 from __future__ import annotations
 
-import gzip
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,7 @@ import torch
 from torch import Tensor
 
 from longkv.checks import require
-from longkv.data.corpus import corpus_dir
+from longkv.data.corpus import corpus_dir, read_document
 
 Item = TypeVar("Item")
 DATASET_KEYS = ("path", "name", "split", "field")
@@ -68,14 +67,6 @@ def document_files(folder: str | Path | None = None) -> list[Path]:
     if not files:
         raise FileNotFoundError(f"no .txt or .txt.gz files under {root}")
     return files
-
-
-def read_document(path: Path) -> str:
-    """A document's text."""
-    if path.name.endswith(".gz"):
-        with gzip.open(path, "rt", encoding="utf-8") as f:
-            return f.read()
-    return path.read_text(encoding="utf-8")
 
 
 def dataset_texts(spec: dict[str, str]) -> list[str]:

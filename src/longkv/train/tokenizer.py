@@ -13,8 +13,7 @@ from typing import Any
 from tqdm import tqdm
 
 from longkv.checks import require
-from longkv.data.corpus import corpus_dir
-from longkv.train.data import read_document
+from longkv.data.corpus import corpus_dir, read_document
 
 EOS = "<|endoftext|>"
 
