@@ -21,17 +21,9 @@ from longkv.bench.memory import keep_freed_heap
 from longkv.models import LongKVConfig, LongKVForCausalLM
 from longkv.results import provenance, write_report
 
-VARIANTS: dict[str, dict[str, Any]] = {
-    "kvm_fixed": dict(
-        mixer="kvm",
-        kvm=dict(
-            chunk_len=64,
-            window_chunks=2,
-            budget="fixed",
-            state_min_len=64,
-            max_state_chunks=1,
-            rope_dim=32,
-        ),
+VARIANTS: dict[str, dict[str, Any]] = {  # LongKVConfig.tiny overrides
+    "kvm_fixed": dict(  # the preset's KVM layer with a fixed budget of 64 slots (one chunk)
+        mixer="kvm", kvm={**LongKVConfig.tiny().kvm, "budget": "fixed", "max_state_chunks": 1}
     ),
     "kvm_sqrt": dict(mixer="kvm"),  # the tiny preset's KVM is the sqrt budget
     "bswa": dict(mixer="bswa"),
