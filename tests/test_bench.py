@@ -10,6 +10,7 @@ import torch
 
 from longkv.bench.kvm import METHODS, BenchSettings
 from longkv.bench.memory import cpu_peak_supported, peak_memory
+from longkv.bench.train import TrainBenchSettings
 from longkv.cli.main import main
 
 
@@ -57,6 +58,14 @@ def test_bad_settings_are_reported() -> None:
     with pytest.raises(ValueError, match="methods: unknown"):
         BenchSettings(methods=("kvm_fixed", "mamba"))
     assert main(["bench", "kvm", "--lengths", "0"]) == 2
+    with pytest.raises(ValueError, match=r"BenchSettings\.lengths: must be >= 1, got \(64, 0\)"):
+        BenchSettings(lengths=(64, 0))
+    with pytest.raises(ValueError, match=r"BenchSettings\.head_dim: must be >= 4, got 2"):
+        BenchSettings(head_dim=2)
+    with pytest.raises(ValueError, match=r"TrainBenchSettings\.variants: unknown \['rnn'\]"):
+        TrainBenchSettings(variants=("full", "rnn"))
+    with pytest.raises(ValueError, match=r"TrainBenchSettings\.repeats: must be >= 1"):
+        TrainBenchSettings(repeats=0)
 
 
 @pytest.mark.skipif(not cpu_peak_supported(), reason="needs Linux /proc/self/clear_refs")

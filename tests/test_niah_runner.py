@@ -47,11 +47,19 @@ def test_runner_answers_saves_and_resumes(tmp_path: Path) -> None:
     assert (tmp_path / "niah.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_unknown_task_or_method_is_refused() -> None:
+def test_bad_settings_are_refused() -> None:
     with pytest.raises(ValueError, match="tasks: unknown"):
         NiahSettings(tasks=("niah_single_9",))
     with pytest.raises(ValueError, match="methods: unknown"):
         NiahSettings(methods=("rnn",))
+    with pytest.raises(ValueError, match=r"NiahSettings\.window: must be >= 1, got 0"):
+        NiahSettings(window=0)
+    with pytest.raises(ValueError, match=r"NiahSettings\.sinks: must be >= 0, got -1"):
+        NiahSettings(sinks=-1)
+    with pytest.raises(ValueError, match=r"NiahSettings\.lengths: must be >= 1"):
+        NiahSettings(lengths=(4096, 0))
+    with pytest.raises(ValueError, match=r"NiahSettings\.depths: must lie in \[0, 1\]"):
+        NiahSettings(depths=(0.5, 1.5))
 
 
 @pytest.mark.parametrize(("depth", "inside"), [(0.3, False), (1.0, True)])

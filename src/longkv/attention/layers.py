@@ -22,7 +22,7 @@ from longkv.attention.functional import (
 )
 from longkv.attention.rope import apply_rope
 from longkv.attention.state import WindowCache
-from longkv.checks import require
+from longkv.checks import require, require_at_least
 
 
 @dataclass(frozen=True)
@@ -48,8 +48,7 @@ class AttentionConfig:
     value_residual: bool = False
 
     def __post_init__(self) -> None:
-        require(self.d_model >= 1, "AttentionConfig.d_model", f"must be >= 1, got {self.d_model}")
-        require(self.n_heads >= 1, "AttentionConfig.n_heads", f"must be >= 1, got {self.n_heads}")
+        require_at_least(1, "AttentionConfig", self, "d_model", "n_heads")
         require(
             self.kv_heads >= 1 and self.n_heads % self.kv_heads == 0,
             "AttentionConfig.n_kv_heads",

@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from longkv.attention import block_sliding_window_attention, full_attention
 from longkv.bench.memory import keep_freed_heap, peak_memory
+from longkv.checks import require_at_least
 from longkv.kvm import KVMConfig, kvm_attention
 from longkv.results import provenance, pyplot, save_figure, write_report
 
@@ -55,8 +56,8 @@ class BenchSettings:
             raise ValueError(f"methods: unknown {sorted(unknown)}; choose from {sorted(METHODS)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if min(self.lengths) < 1 or self.repeats < 1 or self.head_dim < 4:
-            raise ValueError("lengths and repeats must be >= 1 and head_dim >= 4")
+        require_at_least(1, "BenchSettings", self, "lengths", "repeats", "batch", "heads")
+        require_at_least(4, "BenchSettings", self, "head_dim")
 
     @property
     def n_decode(self) -> int:

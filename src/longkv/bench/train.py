@@ -18,6 +18,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from longkv.bench.memory import keep_freed_heap
+from longkv.checks import require, require_at_least
 from longkv.models import LongKVConfig, LongKVForCausalLM
 from longkv.results import provenance, write_report
 
@@ -33,6 +34,8 @@ VARIANTS: dict[str, dict[str, Any]] = {  # LongKVConfig.tiny overrides
 
 @dataclass(frozen=True)
 class TrainBenchSettings:
+    """What `longkv bench train` measures."""
+
     contexts: tuple[int, ...] = (2048, 8192)
     variants: tuple[str, ...] = tuple(VARIANTS)
     batch: int = 1
@@ -41,6 +44,15 @@ class TrainBenchSettings:
     seed: int = 0
     out_dir: str = "results"
     name: str = "bench_train"
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.variants) - set(VARIANTS))
+        require(
+            not unknown, "TrainBenchSettings.variants", f"unknown {unknown}; use {list(VARIANTS)}"
+        )
+        require_at_least(
+            1, "TrainBenchSettings", self, "contexts", "batch", "repeats", "vocab_size"
+        )
 
 
 def step_seconds(model: LongKVForCausalLM, optimizer: torch.optim.Optimizer, ids: Tensor) -> float:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from longkv.checks import require, require_at_least
 from longkv.evals.niah import TASKS, make_sample, sample_score
 from longkv.fold.generate import fold_generate
 from longkv.fold.streaming import streaming_generate
@@ -51,8 +52,14 @@ class NiahSettings:
             unknown = set(values) - set(allowed)
             if unknown:
                 raise ValueError(f"{name}: unknown {sorted(unknown)}; choose from {list(allowed)}")
-        if self.samples < 1 or self.max_new_tokens < 1:
-            raise ValueError("samples and max_new_tokens must be >= 1")
+        at_least_one = ("lengths", "samples", "chunk_size", "window", "stream_chunk")
+        require_at_least(1, "NiahSettings", self, *at_least_one, "max_new_tokens")
+        require_at_least(0, "NiahSettings", self, "sinks")
+        require(
+            all(0 <= d <= 1 for d in self.depths),
+            "NiahSettings.depths",
+            f"must lie in [0, 1], got {self.depths}",
+        )
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from typing import Any
 from transformers import PreTrainedConfig
 
 from longkv.attention.layers import AttentionConfig
-from longkv.checks import require
+from longkv.checks import require, require_at_least
 from longkv.kvm.config import KVMConfig
 
 MIXERS = ("full", "swa", "bswa", "kvm")
@@ -71,13 +71,10 @@ class LongKVConfig(PreTrainedConfig):
 
     def validate_longkv(self) -> None:
         """Raise ValueError naming the field and the fix for any inconsistent setting."""
-        require(
-            self.vocab_size >= 1, "LongKVConfig.vocab_size", f"must be >= 1, got {self.vocab_size}"
-        )
-        require(self.n_layers >= 1, "LongKVConfig.n_layers", f"must be >= 1, got {self.n_layers}")
-        require(
-            self.mlp_ratio >= 1, "LongKVConfig.mlp_ratio", f"must be >= 1, got {self.mlp_ratio}"
-        )
+        require_at_least(
+            1, "LongKVConfig", self, "vocab_size", "n_layers", "mlp_ratio", "swa_window",
+            "bswa_chunk_len", "bswa_window_chunks",
+        )  # fmt: skip
         require(
             self.mixer in MIXERS,
             "LongKVConfig.mixer",
@@ -95,14 +92,6 @@ class LongKVConfig(PreTrainedConfig):
             set(self.kvm) <= known,
             "LongKVConfig.kvm",
             f"unknown KVMConfig fields {sorted(set(self.kvm) - known)}; use {sorted(known)}",
-        )
-        require(
-            self.swa_window >= 1, "LongKVConfig.swa_window", f"must be >= 1, got {self.swa_window}"
-        )
-        require(
-            self.bswa_chunk_len >= 1 and self.bswa_window_chunks >= 1,
-            "LongKVConfig.bswa_chunk_len",
-            "bswa_chunk_len and bswa_window_chunks must be >= 1",
         )
         self.attention_config()  # validates the shell
         if "kvm" in self.mixers:

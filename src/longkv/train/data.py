@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
-from longkv.checks import require
+from longkv.checks import require, require_at_least
 from longkv.data.corpus import corpus_dir, read_document
 
 Item = TypeVar("Item")
@@ -42,7 +42,7 @@ class DataConfig:
     tokenizer: str | None = None
 
     def __post_init__(self) -> None:
-        require(self.seq_len >= 1, "data.seq_len", f"must be >= 1, got {self.seq_len}")
+        require_at_least(1, "data", self, "seq_len")
         require(
             self.every >= 2,
             "data.every",

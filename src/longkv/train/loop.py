@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from tqdm import tqdm
 
-from longkv.checks import require
+from longkv.checks import require, require_at_least
 from longkv.models import LongKVConfig, LongKVForCausalLM
 from longkv.results import replaced_atomically
 
@@ -55,13 +55,12 @@ class TrainConfig:
     amp: bool = True  # bf16 autocast on CUDA (CPU runs stay in the model's dtype)
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "eval_every", "eval_batches", "checkpoint_every"):
-            value = getattr(self, name)
-            require(value >= 1, f"TrainConfig.{name}", f"must be >= 1, got {value}")
+        at_least_one = ("steps", "batch_size", "eval_every", "eval_batches", "checkpoint_every")
+        require_at_least(1, "TrainConfig", self, *at_least_one)
+        require_at_least(0, "TrainConfig", self, "warmup")
         for name in ("lr", "grad_clip"):
             value = getattr(self, name)
             require(value > 0, f"TrainConfig.{name}", f"must be > 0, got {value}")
-        require(self.warmup >= 0, "TrainConfig.warmup", f"must be >= 0, got {self.warmup}")
         require(
             self.parallel in ("ddp", "fsdp"),
             "TrainConfig.parallel",
