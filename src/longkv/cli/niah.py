@@ -61,7 +61,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     page = [
         f"# longkv niah: {args.model}, {args.dtype}",
         "",
-        *provenance_lines(result.provenance or prov),
+        *provenance_lines(prov),
         f"- fold chunk {settings.chunk_size}; StreamingLLM {settings.sinks} sinks + "
         f"{settings.window} recent, chunk {settings.stream_chunk}; greedy, at most "
         f"{settings.max_new_tokens} new tokens; {settings.samples} sample(s) per cell",

@@ -94,6 +94,7 @@ times 100.
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import random
 import re
@@ -266,12 +267,13 @@ def make_sample(
     others = [rng.random() for _ in needles[1:]]
     if spec.haystack == "essay":
         sentences = _essay_sentences(corpus_dir_of(corpus_dir))
-        units = _Units(tokenizer, " ", _cycle(sentences, rng.randrange(len(sentences))))
+        start = rng.randrange(len(sentences))
+        units = _Units(tokenizer, " ", itertools.cycle(sentences[start:] + sentences[:start]))
     elif spec.haystack == "needle":
         stream = random.Random(rng.getrandbits(64))
         units = _Units(tokenizer, "\n", _distractors(spec, stream, needles, answers))
     else:
-        units = _Units(tokenizer, _JOINERS[spec.haystack], _repeat(NOISE_LINE))
+        units = _Units(tokenizer, _JOINERS[spec.haystack], itertools.repeat(NOISE_LINE))
     builder = _Builder(tokenizer, header, footer, needles, [float(depth), *others], units)
     prompt, ids, starts = builder.fit(context_len - answer_budget, task, context_len, answer_budget)
     positions = [_token_start(tokenizer, prompt, ids, s, needles[i][0]) for i, s in starts]
@@ -352,18 +354,6 @@ def _needles_and_template(
 
 
 # --- haystack units -------------------------------------------------------------------------
-
-
-def _repeat(line: str) -> Iterator[str]:
-    while True:
-        yield line
-
-
-def _cycle(items: Sequence[str], start: int) -> Iterator[str]:
-    i = start
-    while True:
-        yield items[i % len(items)]
-        i += 1
 
 
 def _distractors(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -181,12 +182,19 @@ def run_niah(
     return run
 
 
+def mean_scores(records: list[NiahRecord], key: Callable[[NiahRecord], Any]) -> dict[Any, float]:
+    """string_match_all (0-100) of the records grouped by key(record)."""
+    groups: dict[Any, list[float]] = {}
+    for r in records:
+        groups.setdefault(key(r), []).append(r.score)
+    return {k: 100 * sum(v) / len(v) for k, v in groups.items()}
+
+
 def accuracy(records: list[NiahRecord]) -> dict[str, float]:
     """string_match_all (0-100) per "task/method/length", over depths and samples."""
-    groups: dict[str, list[float]] = {}
-    for r in records:
-        groups.setdefault(f"{r.task}/{r.method}/{r.context_len}", []).append(r.score)
-    return {k: 100 * sum(v) / len(v) for k, v in sorted(groups.items())}
+    return dict(
+        sorted(mean_scores(records, lambda r: f"{r.task}/{r.method}/{r.context_len}").items())
+    )
 
 
 def fold_mismatches(records: list[NiahRecord]) -> list[tuple[str, int, float, int]]:
@@ -221,6 +229,7 @@ def heatmap(run: NiahRun, path: Path) -> None:
     """One panel per task and method: score (0-100) over depth (rows) x length (columns)."""
     plt = pyplot()
     s = run.settings
+    scores = mean_scores(run.records, lambda r: (r.task, r.method, r.depth, r.context_len))
     rows, cols = len(s.tasks), len(s.methods)
     fig, axes = plt.subplots(
         rows,
@@ -231,15 +240,10 @@ def heatmap(run: NiahRun, path: Path) -> None:
     )
     for i, task in enumerate(s.tasks):
         for j, method in enumerate(s.methods):
-            grid = torch.full((len(s.depths), len(s.lengths)), float("nan"))
-            for a, d in enumerate(s.depths):
-                for b, n in enumerate(s.lengths):
-                    scores = [
-                        r.score for r in run.records
-                        if (r.task, r.method, r.depth, r.context_len) == (task, method, d, n)
-                    ]  # fmt: skip
-                    if scores:
-                        grid[a, b] = 100 * sum(scores) / len(scores)
+            grid = torch.tensor(
+                [[scores.get((task, method, d, n), float("nan")) for n in s.lengths]
+                 for d in s.depths]
+            )  # fmt: skip
             ax = axes[i][j]
             image = ax.imshow(grid.numpy(), vmin=0, vmax=100, cmap="RdYlGn", aspect="auto")
             ax.set_xticks(
