@@ -31,11 +31,10 @@ class FoldResult:
 
     nll: (B, T - 1) NLL of tokens 1..T-1 (float32; float64 for a float64 model), each scored once
     (the first token of a chunk by the last logit of the one before); cache: the cache after the
-    run, to continue generating;
-    last_logits: (B, V) logits after the last token; next_position: the position the next token
-    takes; chunk_seconds: wall time per chunk; peak_memory_bytes: the run's peak memory above the
-    level before it (CUDA allocator peak, or resident-set rise on CPU; None when not measured);
-    logits: (B, T, V) when asked for.
+    run, to continue generating; last_logits: (B, V) logits after the last token;
+    next_position: the position the next token takes; chunk_seconds: wall time per chunk;
+    peak_memory_bytes: the run's peak memory above the level before it (CUDA allocator peak, or
+    resident-set rise on CPU; None when not measured); logits: (B, T, V) when asked for.
     """
 
     nll: Tensor
