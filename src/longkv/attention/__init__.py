@@ -18,6 +18,9 @@ from longkv.attention.naive import (
     naive_sliding_window_attention,
 )
 from longkv.attention.state import WindowCache
+from longkv.vml import warm_up_vml
+
+warm_up_vml()  # before any threaded VML call: see longkv.vml
 
 __all__ = [
     "AttentionConfig",
