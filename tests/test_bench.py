@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+from longkv.bench.compare import compare_methods
 from longkv.bench.kvm import METHODS, BenchSettings
 from longkv.bench.memory import cpu_peak_supported, peak_memory
 from longkv.bench.train import TrainBenchSettings
@@ -79,3 +81,18 @@ def test_peak_memory_sees_a_temporary_allocation() -> None:
     assert peak is not None and 150e6 < peak < 400e6
     _, small = peak_memory(lambda: None, torch.device("cpu"))
     assert small is not None and small < 50e6
+
+
+@pytest.mark.skipif(not cpu_peak_supported(), reason="needs Linux /proc/self/clear_refs")
+def test_compared_peaks_exclude_weights_mapped_lazily(tmp_path: Path) -> None:
+    """A freshly loaded model's weights are paged in on first use: not the forward's memory."""
+    config = LlamaConfig(
+        vocab_size=50_000, hidden_size=256, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(tmp_path)  # lm_head alone: 51 MB
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ids = torch.randint(0, 50_000, (1, 6))
+    report = compare_methods(model, ids, 3, methods=("full", "fold"))
+    peaks = {r["method"]: r["peak_memory_bytes"] for r in report["runs"]}
+    assert peaks["full"] < 20e6 and peaks["fold"] < 20e6, peaks

@@ -45,7 +45,7 @@ def test_fold_equals_full_forward_on_corpus_text(
     with torch.inference_mode():
         full = model(text_ids).logits
     nll = F.cross_entropy(full[:, :-1].transpose(1, 2), text_ids[:, 1:], reduction="none")
-    fold = kv_fold(model, text_ids, 256, return_logits=True, measure_memory=False)
+    fold = kv_fold(model, text_ids, 256, return_logits=True)
     assert fold.logits is not None
     assert (fold.logits - full).abs().max().item() <= 1e-10
     assert (fold.nll - nll).abs().max().item() <= 1e-10

@@ -89,7 +89,6 @@ def test_streaming_equals_naive_recomputation(sinks: int, window: int, chunk: in
         window=window,
         chunk_size=chunk,
         return_logits=True,
-        measure_memory=False,
     )
     ref = naive_streaming(model, ids[0].tolist(), sinks, window, chunk)
     assert run.logits is not None
@@ -137,7 +136,6 @@ def test_generation_continues_the_stream() -> None:
         sinks=2,
         window=8,
         return_logits=True,
-        measure_memory=False,
     )
     assert run.logits is not None
     assert torch.equal(run.logits[:, 29:].argmax(-1), out)

@@ -1,4 +1,9 @@
-"""Peak memory of one call: CUDA allocator statistics, or the resident-set high-water mark."""
+"""Peak memory of one call: CUDA allocator statistics, or the resident-set high-water mark.
+
+Measuring on CPU changes process-wide state (glibc's allocator settings, the kernel's RSS
+high-water mark), so it lives here, in the benchmarks, and nothing outside `longkv.bench` uses
+it: a plain `kv_fold` or `streaming_llm` leaves the process as it found it.
+"""
 
 from __future__ import annotations
 
@@ -67,6 +72,19 @@ def cpu_peak_supported() -> bool:
     except (OSError, RuntimeError):
         return False
     return True
+
+
+def load_weights(module: torch.nn.Module) -> None:
+    """Read every parameter and buffer once, so weights mapped lazily from a file are resident.
+
+    transformers maps safetensors weights from disk and the kernel reads a page in on its first
+    use; without this, the first forward after loading counts the weights it touches (the whole
+    model, for a full forward) as its own memory.
+    """
+    with torch.inference_mode():
+        for t in (*module.parameters(), *module.buffers()):
+            if t.device.type == "cpu" and t.numel():
+                t.sum()
 
 
 def peak_memory(fn: Callable[[], R], device: torch.device) -> tuple[R, int | None]:

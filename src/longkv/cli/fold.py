@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
+from longkv.bench.compare import compare_methods, markdown_rows
 from longkv.data.corpus import DEFAULT_TEXT, text_tokens
-from longkv.fold.compare import compare_methods, markdown_rows
 from longkv.fold.drift import drift_table, full_forward, measure_drift, plot_drift
 from longkv.models.pretrained import DEFAULT_MODEL, load_pretrained
 from longkv.results import provenance, write_report

@@ -57,7 +57,7 @@ def measure_drift(
     full = full_forward(model, input_ids, allow_extrapolation) if reference is None else reference
     fold = kv_fold(
         model, input_ids, chunk_size, prefix_ids=prefix_ids, progress=progress,
-        measure_memory=False, allow_extrapolation=allow_extrapolation,
+        allow_extrapolation=allow_extrapolation,
     )  # fmt: skip
     return DriftResult(
         chunk_size=chunk_size,
@@ -72,10 +72,7 @@ def full_forward(
     model: nn.Module, input_ids: Tensor, allow_extrapolation: bool = False
 ) -> FoldResult:
     """One full causal forward over input_ids (B, T): a fold with a single chunk."""
-    return kv_fold(
-        model, input_ids, input_ids.shape[1],
-        measure_memory=False, allow_extrapolation=allow_extrapolation,
-    )  # fmt: skip
+    return kv_fold(model, input_ids, input_ids.shape[1], allow_extrapolation=allow_extrapolation)
 
 
 def drift_table(results: list[DriftResult]) -> str:

@@ -19,7 +19,6 @@ from torch import Tensor, nn
 from tqdm import tqdm
 from transformers.cache_utils import Cache
 
-from longkv.bench.memory import peak_memory
 from longkv.fold import compat
 
 Forward = Callable[[Tensor], Tensor]  # token ids (B, L) -> logits (B, L, V), advancing a cache
@@ -33,8 +32,7 @@ class FoldResult:
     (the first token of a chunk by the last logit of the one before); cache: the cache after the
     run, to continue generating; last_logits: (B, V) logits after the last token;
     next_position: the position the next token takes; chunk_seconds: wall time per chunk;
-    peak_memory_bytes: the run's peak memory above the level before it (CUDA allocator peak, or
-    resident-set rise on CPU; None when not measured); logits: (B, T, V) when asked for.
+    logits: (B, T, V) when asked for. Peak memory is measured outside, by `longkv.bench`.
     """
 
     nll: Tensor
@@ -43,7 +41,6 @@ class FoldResult:
     chunk_size: int
     next_position: int
     chunk_seconds: list[float] = field(default_factory=list)
-    peak_memory_bytes: int | None = None
     logits: Tensor | None = None
 
     @property
@@ -194,15 +191,6 @@ def score_chunks(
     )
 
 
-def measured(run: Callable[[], FoldResult], device: torch.device, measure: bool) -> FoldResult:
-    """run(), with its peak memory recorded when asked."""
-    if not measure:
-        return run()
-    result, peak = peak_memory(run, device)
-    result.peak_memory_bytes = peak
-    return result
-
-
 def kv_fold(
     model: nn.Module,
     input_ids: Tensor,
@@ -211,7 +199,6 @@ def kv_fold(
     prefix_ids: Tensor | None = None,
     cache: Cache | None = None,
     return_logits: bool = False,
-    measure_memory: bool = True,
     allow_extrapolation: bool = False,
     reserve: int = 0,
     offload_cache: bool = False,
@@ -238,15 +225,6 @@ def kv_fold(
     T = input_ids.shape[1]
     end = runner.position + T + P * -(-T // chunk_size) + reserve
     check_foldable(model, end, allow_extrapolation=allow_extrapolation)
-
-    def run() -> FoldResult:
-        return score_chunks(
-            runner,
-            input_ids,
-            chunk_size,
-            prefix_ids,
-            return_logits=return_logits,
-            progress=progress,
-        )
-
-    return measured(run, input_ids.device, measure_memory)
+    return score_chunks(
+        runner, input_ids, chunk_size, prefix_ids, return_logits=return_logits, progress=progress
+    )

@@ -38,7 +38,6 @@ def fold_generate(
         input_ids,
         chunk_size,
         prefix_ids=prefix_ids,
-        measure_memory=False,
         allow_extrapolation=allow_extrapolation,
         reserve=max_new_tokens - 1,  # the last new token is never fed back
         progress=progress,

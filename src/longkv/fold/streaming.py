@@ -21,7 +21,7 @@ from transformers import DynamicCache
 
 from longkv.attention.rope import rotate
 from longkv.fold import compat
-from longkv.fold.fold import FoldResult, check_input, measured, score_chunks
+from longkv.fold.fold import FoldResult, check_input, score_chunks
 from longkv.fold.generate import greedy_decode
 
 STATIC_ROPE = {"default", "linear", "llama3", "yarn"}
@@ -128,18 +128,11 @@ def streaming_llm(
     window: int = 1020,
     chunk_size: int = 1,
     return_logits: bool = False,
-    measure_memory: bool = True,
     progress: bool = False,
 ) -> FoldResult:
     """Run input_ids (B, T) through StreamingLLM from an empty cache."""
     runner = StreamingRunner(model, sinks, window)
-    return measured(
-        lambda: stream(
-            runner, input_ids, chunk_size, return_logits=return_logits, progress=progress
-        ),
-        input_ids.device,
-        measure_memory,
-    )
+    return stream(runner, input_ids, chunk_size, return_logits=return_logits, progress=progress)
 
 
 def streaming_generate(

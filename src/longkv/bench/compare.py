@@ -1,7 +1,9 @@
 """Fold against one full forward (and StreamingLLM) on the same tokens, in one run.
 
 Each method runs once with its peak memory measured (which also warms it up), then `repeats`
-timed runs with the heap kept for reuse; the reported time is their median.
+timed runs with the heap kept for reuse; the reported time is their median. The weights are
+read in before anything is measured, so no method's peak counts them (`load_weights`).
+Measuring sets glibc's allocator options for the process (`keep_freed_heap`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from longkv.bench.memory import keep_freed_heap
+from longkv.bench.memory import keep_freed_heap, load_weights, peak_memory
 from longkv.fold.fold import FoldResult, kv_fold
 from longkv.fold.streaming import streaming_llm
 
@@ -32,24 +34,15 @@ class MethodRun:
 
 def _runs(
     model: nn.Module, ids: Tensor, chunk_size: int, sinks: int, window: int, stream_chunk: int
-) -> dict[str, tuple[int, Callable[[bool], FoldResult]]]:
+) -> dict[str, tuple[int, Callable[[], FoldResult]]]:
     T = ids.shape[1]
     return {
-        "full": (T, lambda mem: kv_fold(model, ids, T, measure_memory=mem)),
-        "fold": (
-            chunk_size,
-            lambda mem: kv_fold(model, ids, chunk_size, measure_memory=mem, progress=True),
-        ),
+        "full": (T, lambda: kv_fold(model, ids, T)),
+        "fold": (chunk_size, lambda: kv_fold(model, ids, chunk_size, progress=True)),
         "streaming": (
             stream_chunk,
-            lambda mem: streaming_llm(
-                model,
-                ids,
-                sinks=sinks,
-                window=window,
-                chunk_size=stream_chunk,
-                measure_memory=mem,
-                progress=True,
+            lambda: streaming_llm(
+                model, ids, sinks=sinks, window=window, chunk_size=stream_chunk, progress=True
             ),
         ),
     }
@@ -70,13 +63,14 @@ def compare_methods(
     if repeats < 1:
         raise ValueError(f"repeats: must be >= 1, got {repeats}")
     keep_freed_heap()
+    load_weights(model)
     runs = _runs(model, input_ids, chunk_size, sinks, window, stream_chunk)
     results: dict[str, MethodRun] = {}
     full_nll: Tensor | None = None
     for method in ("full", *[m for m in methods if m != "full"]):
         size, run = runs[method]
-        first = run(True)
-        times = [run(False).seconds for _ in range(repeats)]
+        first, peak = peak_memory(run, input_ids.device)
+        times = [run().seconds for _ in range(repeats)]
         if method == "full":
             full_nll = first.nll
         assert full_nll is not None
@@ -84,7 +78,7 @@ def compare_methods(
             method=method,
             chunk_size=size,
             seconds=statistics.median(times),
-            peak_memory_bytes=first.peak_memory_bytes,
+            peak_memory_bytes=peak,
             mean_nll=first.nll.mean().item(),
             max_abs_nll_diff_vs_full=(first.nll - full_nll).abs().max().item(),
         )
