@@ -97,3 +97,15 @@ def test_the_installed_wheel_runs_without_the_checkout(tmp_path: Path) -> None:
     assert (work / "out" / "n.md").is_file() and (work / "out" / "n.png").is_file()
     usage = run([sys.executable, "-m", "longkv", "--help"], cwd=work, env=env).stdout
     assert usage.startswith("usage: longkv") and "niah" in usage
+
+
+def test_version_without_installed_metadata() -> None:
+    """Sources on sys.path with no distribution installed still give a PEP 440 version."""
+    code = (
+        "import importlib.metadata as m\n"
+        "def missing(name): raise m.PackageNotFoundError(name)\n"
+        "m.version = missing\n"
+        "import longkv\n"
+        "print(longkv.__version__)\n"
+    )
+    assert run([sys.executable, "-c", code]).stdout.strip() == "0+unknown"
