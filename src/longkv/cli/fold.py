@@ -28,7 +28,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="local path, hub id, or smollm2")
     p.add_argument("--device", default="cpu")
     p.add_argument("--device-map", default=None, help='accelerate placement, e.g. "auto"')
-    p.add_argument("--corpus-dir", default=None, help="default: ../shared/data/corpus")
+    p.add_argument("--corpus-dir", default=None, help="default: $LONGKV_CORPUS_DIR, else shipped")
     p.add_argument("--out-dir", default="results")
 
 

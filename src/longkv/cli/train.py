@@ -89,7 +89,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     g = commands.add_parser("generate", help="continue a prompt with a trained model")
     g.add_argument("--model", required=True, help="a saved model folder, e.g. runs/x/model")
     g.add_argument(
-        "--tokenizer", default=None, help="default: the model folder's own, else the shared GPT-2"
+        "--tokenizer", default=None, help="default: the model folder's own, else the shipped GPT-2"
     )
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-new-tokens", type=int, default=64)
@@ -107,7 +107,7 @@ def add_parsers(commands: argparse._SubParsersAction) -> None:
     t.add_argument("--out", required=True, help="folder for the tokenizer (data.tokenizer)")
     t.add_argument("--vocab-size", type=int, default=8192)
     t.add_argument("--min-frequency", type=int, default=2)
-    t.add_argument("--corpus-dir", default=None, help="default: ../shared/data/corpus")
+    t.add_argument("--corpus-dir", default=None, help="default: $LONGKV_CORPUS_DIR")
     t.add_argument("--every", type=int, default=20, help="held-out documents: never seen")
     t.set_defaults(func=run_tokenizer_train)
     c = commands.add_parser(
