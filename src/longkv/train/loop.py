@@ -25,7 +25,8 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_state_dict,
-    set_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
 )
 from tqdm import tqdm
 
@@ -112,6 +113,24 @@ def load_checkpoint(path: Path, model_config: LongKVConfig, train: TrainConfig) 
     return state
 
 
+def load_training_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Model and AdamW state from a checkpoint's gathered state dicts, exactly as saved.
+
+    A parameter that never received a gradient (a KVM merge gate whose rows never overflow the
+    window, say) has no optimizer state. The loader would refuse that unless not strict, and
+    then invent one (step 1, zero moments); it is dropped again, so that such a parameter, as
+    in the run that wrote the checkpoint, starts its state at its first gradient.
+    """
+    set_model_state_dict(model, state["model"], options=StateDictOptions(full_state_dict=True))
+    set_optimizer_state_dict(
+        model, optimizer, state["optimizer"],
+        options=StateDictOptions(full_state_dict=True, strict=False),
+    )  # fmt: skip
+    for name, param in model.named_parameters():
+        if name not in state["optimizer"]["state"]:
+            optimizer.state.pop(param, None)
+
+
 def train_device() -> torch.device:
     """cuda:LOCAL_RANK when CUDA is available, else the CPU."""
     if torch.cuda.is_available():
@@ -133,7 +152,9 @@ def distribute(
         fully_shard(model)
         return model
     ids = [device.index] if device.type == "cuda" else None
-    return nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    # static_graph: every step uses the same parameters, and some may never get a gradient (a
+    # KVM merge gate when rows fit the window), which plain DDP refuses at the second step.
+    return nn.parallel.DistributedDataParallel(model, device_ids=ids, static_graph=True)
 
 
 def tensorboard_writer(out: Path, first_step: int) -> Any:
@@ -185,10 +206,7 @@ def train(
     checkpoint = out / CHECKPOINT
     if checkpoint.is_file():
         state = load_checkpoint(checkpoint, model_config, cfg)
-        set_state_dict(
-            model, optimizer, model_state_dict=state["model"],
-            optim_state_dict=state["optimizer"], options=StateDictOptions(full_state_dict=True),
-        )  # fmt: skip
+        load_training_state(model, optimizer, state)
         schedule.load_state_dict(state["schedule"])
         start, metrics = state["step"], state["metrics"]
     autocast = torch.autocast(
