@@ -5,18 +5,23 @@ from __future__ import annotations
 import csv
 import gzip
 import json
+import shlex
 from pathlib import Path
 
 import pytest
 import yaml
 
 from longkv.cli.main import main
-from longkv.cli.train import load_run
+from longkv.cli.train import load_run, model_config
+from longkv.train import loop
+from longkv.train.tokenizer import load_tokenizer
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny_kvm.yaml"
 
 
-def test_train_then_eval_and_generate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.fixture
+def tiny_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> list[str]:
+    """Overrides of CONFIG for a 3-step run of a tiny model on a tiny corpus and its own BPE."""
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     for i in range(4):
@@ -27,14 +32,20 @@ def test_train_then_eval_and_generate(tmp_path: Path, capsys: pytest.CaptureFixt
     assert main([*argv, "--corpus-dir", str(corpus), "--every", "4"]) == 0
     learned = int(capsys.readouterr().out.split(" tokens")[0])  # at most 300 on this tiny text
     assert 257 < learned <= 300
-    out = tmp_path / "run"
-    overrides = [
+    return [
         f"data.folder={corpus}", f"data.tokenizer={bpe}", "data.seq_len=32", "data.every=4",
         "train.steps=3",
         "train.batch_size=2", "train.warmup=1", "train.eval_every=3", "train.eval_batches=1",
-        "model.d_model=32", "model.n_layers=2", f"out_dir={out}",
+        "model.d_model=32", "model.n_layers=2", f"out_dir={tmp_path / 'run'}",
         "model.kvm={chunk_len: 8, window_chunks: 2, state_min_len: 8, rope_dim: 4}",
     ]  # fmt: skip
+
+
+def test_train_then_eval_and_generate(
+    tmp_path: Path, tiny_run: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    out, overrides = tmp_path / "run", tiny_run
+    learned = len(load_tokenizer(tmp_path / "bpe"))
     assert main(["train", "--config", str(CONFIG), *overrides]) == 0
     rows = list(csv.DictReader((out / "metrics.csv").open()))
     assert [r["step"] for r in rows] == ["1", "2", "3"] and rows[-1]["eval_loss"]
@@ -42,6 +53,8 @@ def test_train_then_eval_and_generate(tmp_path: Path, capsys: pytest.CaptureFixt
     assert json.loads((out / "model" / "config.json").read_text())["vocab_size"] == learned
     assert main(["eval-loss", "--config", str(CONFIG), *overrides, "--batches", "1"]) == 0
     assert "held-out loss" in capsys.readouterr().out
+    assert main(["eval-loss", "--config", str(out / "run.yaml"), "--batches", "1"]) == 0
+    assert "over 1 batches of 2" in capsys.readouterr().out  # the run's own batch size
     assert (
         main(
             [
@@ -59,6 +72,51 @@ def test_train_then_eval_and_generate(tmp_path: Path, capsys: pytest.CaptureFixt
     assert capsys.readouterr().out.startswith("The cat")  # decoded by the model's own BPE
 
 
+def test_eval_loss_refuses_a_config_that_is_not_the_runs(
+    tmp_path: Path, tiny_run: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["train", "--config", str(CONFIG), *tiny_run]) == 0
+    other = [*tiny_run, "data.seq_len=16", "train.batch_size=4"]  # another run's settings
+    assert main(["eval-loss", "--config", str(CONFIG), *other]) == 2
+    err = capsys.readouterr().err
+    assert "(data.seq_len: 32 -> 16; train.batch_size: 2 -> 4; recorded -> given)" in err
+    assert f"--config {tmp_path / 'run' / 'run.yaml'}" in err
+
+
+def test_ctrl_c_says_where_the_checkpoint_is_and_how_to_resume(
+    tmp_path: Path,
+    tiny_run: list[str],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    batch_rows = loop.batch_rows
+
+    def ctrl_c_at_step_4(step: int, *args: int) -> object:
+        if step == 3:  # steps 1-3 done, checkpoint at step 2
+            raise KeyboardInterrupt
+        return batch_rows(step, *args)
+
+    monkeypatch.setattr(loop, "batch_rows", ctrl_c_at_step_4)
+    argv = ["train", "--config", str(CONFIG), *tiny_run, "train.steps=5"]
+    assert main([*argv, "train.checkpoint_every=2"]) == 130
+    command = shlex.join(["longkv", *argv, "train.checkpoint_every=2"])
+    checkpoint = tmp_path / "run" / "checkpoint.pt"
+    assert capsys.readouterr().err.endswith(
+        f"longkv train: interrupted after step 3 of 5; {checkpoint} holds step 2, the 1 after it "
+        f"will be redone; resume with: {command}\n"
+    )
+    monkeypatch.undo()
+    assert main(shlex.split(command)[1:]) == 0  # the command it gave resumes the run
+    rows = list(csv.DictReader((tmp_path / "run" / "metrics.csv").open()))
+    assert [r["step"] for r in rows] == ["1", "2", "3", "4", "5"]
+    monkeypatch.setattr(loop, "batch_rows", ctrl_c_at_step_4)
+    assert main([*argv, "train.steps=6", f"out_dir={tmp_path / 'new'}"]) == 130
+    assert (
+        "interrupted after step 3 of 6, before the first checkpoint (train.checkpoint_every=50); "
+        "nothing to resume; rerun with: longkv train"
+    ) in capsys.readouterr().err
+
+
 def test_overrides_and_bad_runs(capsys: pytest.CaptureFixture[str]) -> None:
     run = load_run(str(CONFIG), ["train.steps=7", "model.mixer=full", "data.seq_len=64"])
     assert run["train"]["steps"] == 7 and run["model"]["mixer"] == "full"
@@ -69,8 +127,16 @@ def test_overrides_and_bad_runs(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["train", "--config", str(CONFIG), "model.preset=huge"]) == 2
     assert main(["train", "--config", str(CONFIG), "data.seqlen=64"]) == 2
     assert main(["train", "--config", str(CONFIG), "train.parallel=zero"]) == 2
+    assert main(["train", "--config", str(CONFIG), "model=tiny"]) == 2
     err = capsys.readouterr().err
     assert "data: unknown keys ['seqlen']" in err and "TrainConfig.parallel: must be" in err
+    assert "model: must be a mapping of keys to values, got 'tiny'" in err
+    with pytest.raises(ValueError, match="model: unknown keys") as refused:  # not a kwarg
+        model_config({"prest": "tiny", "mixer": "full"}, 64)
+    assert str(refused.value).startswith(
+        "model: unknown keys ['prest']; use ['bswa_chunk_len', 'bswa_window_chunks',"
+    )
+    assert "'preset', 'rope_base'" in str(refused.value)  # the preset and LongKVConfig's fields
 
 
 def test_training_without_a_corpus_says_which_setting_to_pass(

@@ -1,12 +1,15 @@
-"""The training loop: exact resume, refused checkpoints, two torchrun ranks == one process."""
+"""The training loop: exact resume and extension, refused checkpoints, progress, torchrun ranks."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -23,25 +26,65 @@ ROWS = (torch.arange(64)[:, None] * 5 + torch.arange(17)[None]) % 64  # learnabl
 CFG = TrainConfig(steps=6, batch_size=8, warmup=2, eval_every=3, checkpoint_every=1)
 
 
+def untimed(metrics: list[dict[str, float]]) -> list[dict[str, float]]:
+    return [{k: v for k, v in row.items() if k != "seconds"} for row in metrics]
+
+
 def test_interrupted_and_resumed_run_equals_an_uninterrupted_one(tmp_path: Path) -> None:
     whole = train(CONFIG, CFG, ROWS, ROWS[:16], tmp_path / "a")
     first = train(CONFIG, CFG, ROWS, ROWS[:16], tmp_path / "b", stop_after=3)
     assert len(first) == 3
     resumed = train(CONFIG, CFG, ROWS, ROWS[:16], tmp_path / "b")
-    untimed = [{k: v for k, v in row.items() if k != "seconds"} for row in resumed]
-    assert untimed == [{k: v for k, v in row.items() if k != "seconds"} for row in whole]
+    assert untimed(resumed) == untimed(whole)
     assert [row["seconds"] for row in resumed[:3]] == [row["seconds"] for row in first]
     assert resumed[3]["seconds"] > resumed[2]["seconds"]  # the clock continues after resume
     assert whole[-1]["loss"] < whole[0]["loss"]  # it learns
     assert (tmp_path / "b" / "metrics.csv").read_text().count("\n") == 7
 
 
+def test_a_run_whose_rows_fit_the_kvm_window_resumes_exactly(tmp_path: Path) -> None:
+    rows = ROWS[:, :9]  # seq_len 8 = chunk_len * window_chunks: no merge, the gates get no grad
+    whole = train(CONFIG, CFG, rows, rows[:16], tmp_path / "a")
+    train(CONFIG, CFG, rows, rows[:16], tmp_path / "b", stop_after=3)
+    assert untimed(train(CONFIG, CFG, rows, rows[:16], tmp_path / "b")) == untimed(whole)
+    a, b = (torch.load(tmp_path / r / CHECKPOINT, weights_only=False) for r in "ab")
+    assert a["optimizer"]["state"].keys() == b["optimizer"]["state"].keys()
+    assert "blocks.0.mixer.gate_proj.weight" not in a["optimizer"]["state"]  # never trained
+    for name, state in a["optimizer"]["state"].items():  # the same AdamW state, exactly
+        assert all(torch.equal(v, b["optimizer"]["state"][name][k]) for k, v in state.items())
+    assert all(torch.equal(v, b["model"][k]) for k, v in a["model"].items())
+
+
+def test_a_finished_run_extends_to_more_steps_on_the_new_schedule(tmp_path: Path) -> None:
+    six = train(CONFIG, CFG, ROWS, ROWS[:16], tmp_path / "a")
+    longer = replace(CFG, steps=9, eval_every=4, checkpoint_every=2)  # and other bookkeeping
+    extended = train(CONFIG, longer, ROWS, ROWS[:16], tmp_path / "a")
+    nine = train(CONFIG, longer, ROWS, ROWS[:16], tmp_path / "b")
+    assert extended[:6] == six  # the finished steps stay as they were
+    lrs = [CFG.lr * lr_factor(s, CFG.warmup, 9) for s in range(6, 9)]
+    assert [r["lr"] for r in extended[6:]] == [r["lr"] for r in nine[6:]] == lrs
+    assert six[-1]["lr"] == CFG.lr * lr_factor(5, CFG.warmup, 6) != nine[5]["lr"]
+    # not the 9-step run: its first six steps followed the 9-step decay, not the 6-step one
+    assert all(e["loss"] != n["loss"] for e, n in zip(extended[6:], nine[6:], strict=True))
+    assert [r["step"] for r in extended if "eval_loss" in r] == [3, 6, 8, 9]
+    assert torch.load(tmp_path / "a" / CHECKPOINT, weights_only=False)["step"] == 9
+
+
 def test_mismatched_or_corrupt_checkpoints_are_refused_untouched(tmp_path: Path) -> None:
-    train(CONFIG, CFG, ROWS, ROWS[:16], tmp_path, stop_after=2)
+    data: dict[str, Any] = {"seq_len": 16, "every": 20}
+    train(CONFIG, CFG, ROWS, ROWS[:16], tmp_path, data=data, stop_after=2)
     before = (tmp_path / CHECKPOINT).read_bytes()
-    other = TrainConfig(steps=6, batch_size=8, warmup=2, eval_every=3, lr=5e-4)
-    with pytest.raises(ValueError, match="written by another model or training config"):
-        train(CONFIG, other, ROWS, ROWS[:16], tmp_path)
+    other = replace(CFG, lr=5e-4, seed=1, steps=8)  # steps may change, the others not
+    refused = r"train\.lr: 0\.001 -> 0\.0005; train\.seed: 0 -> 1\);"
+    with pytest.raises(ValueError, match=refused):
+        train(CONFIG, other, ROWS, ROWS[:16], tmp_path, data=data)
+    with pytest.raises(ValueError, match=r"\(data\.seq_len: 16 -> 32\)"):
+        train(CONFIG, CFG, ROWS, ROWS[:16], tmp_path, data={**data, "seq_len": 32})
+    bigger = LongKVConfig(**{**CONFIG.to_dict(), "d_model": 64})
+    with pytest.raises(ValueError, match=r"\(model\.d_model: 32 -> 64\)"):
+        train(bigger, CFG, ROWS, ROWS[:16], tmp_path, data=data)
+    with pytest.raises(ValueError, match=r"at step 2, past train\.steps=1; pass train\.steps >= 2"):
+        train(CONFIG, replace(CFG, steps=1), ROWS, ROWS[:16], tmp_path, data=data)
     assert (tmp_path / CHECKPOINT).read_bytes() == before
     (tmp_path / CHECKPOINT).write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match="is unreadable"):
@@ -53,22 +96,33 @@ def test_mismatched_or_corrupt_checkpoints_are_refused_untouched(tmp_path: Path)
 def test_two_torchrun_ranks_give_the_losses_of_one_process(tmp_path: Path, parallel: str) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
-    def losses(n: int, run: str, *stop_after: str) -> list[float]:
+    def losses(n: int, run: str, seq_len: int, *stop_after: str) -> list[list[float]]:
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-            str(HELPER), str(tmp_path / run), parallel, *stop_after,
+            str(HELPER), str(tmp_path / run), parallel, str(seq_len), *stop_after,
         ]  # fmt: skip
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
         return json.loads(done.stdout.strip().splitlines()[-1])
 
-    one, two = losses(1, "one"), losses(2, "two")
+    [one], [two, resumed] = losses(1, "one", 16), losses(2, "two", 16, "2")
     assert len(one) == len(two) == 6  # 4 training losses, then the eval losses of steps 2 and 4
     assert max(abs(a - b) for a, b in zip(one, two, strict=True)) <= 1e-5
     assert (tmp_path / "two" / "model" / "model.safetensors").is_file()
-    if parallel == "fsdp":  # a sharded run resumes from its gathered checkpoint exactly
-        assert len(losses(2, "resumed", "2")) == 3
-        assert losses(2, "resumed") == two
+    assert resumed == two  # an interrupted run resumes from its gathered checkpoint exactly
+    # rows that fit the KVM window: the merge gates never get a gradient, nor AdamW state
+    short, short_resumed = losses(2, "short", 8, "2")
+    assert len(short) == 6 and short_resumed == short
+
+
+def test_the_progress_bar_shows_the_losses(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    metrics = train(CONFIG, CFG, ROWS, ROWS[:16], tmp_path)
+    bar = capsys.readouterr().err
+    assert f"loss={metrics[0]['loss']:.4f}]" in bar  # before the first eval: the loss alone
+    shown = f"loss={metrics[-1]['loss']:.4f}, eval_loss={metrics[-1]['eval_loss']:.4f}]"
+    assert re.search(r"6/6 \[[^]]*" + re.escape(shown), bar)  # the finished bar
 
 
 def test_schedule_and_batches() -> None:

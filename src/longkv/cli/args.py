@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterable
 from dataclasses import fields
 from typing import Any, TypeVar
 
@@ -19,10 +20,15 @@ def settings_from_args(cls: type[S], args: argparse.Namespace) -> S:
     return cls(**values)
 
 
+def require_known_keys(name: str, values: dict[str, Any], known: Iterable[str]) -> None:
+    """A ValueError naming section `name`'s keys that are not in known, and the known ones."""
+    names = sorted(known)
+    unknown = sorted(set(values) - set(names))
+    if unknown:
+        raise ValueError(f"{name}: unknown keys {unknown}; use {names}")
+
+
 def settings_from_section(cls: type[S], name: str, values: dict[str, Any]) -> S:
     """cls built from one section of a YAML run; a key that is not a field is a ValueError."""
-    known = sorted(f.name for f in fields(cls))  # type: ignore[arg-type]
-    unknown = sorted(set(values) - set(known))
-    if unknown:
-        raise ValueError(f"{name}: unknown keys {unknown}; use {known}")
+    require_known_keys(name, values, [f.name for f in fields(cls)])  # type: ignore[arg-type]
     return cls(**values)

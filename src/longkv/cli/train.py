@@ -8,6 +8,8 @@ fields), `train` (TrainConfig fields) and `out_dir`; `key=value` arguments overr
 from __future__ import annotations
 
 import argparse
+import shlex
+import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -16,10 +18,10 @@ import torch
 import yaml
 from tqdm import tqdm
 
-from longkv.cli.args import settings_from_section
+from longkv.cli.args import require_known_keys, settings_from_section
 from longkv.data.corpus import read_document
 from longkv.models import LongKVConfig, LongKVForCausalLM
-from longkv.results import provenance, write_report
+from longkv.results import provenance, write_atomic, write_report
 from longkv.train.data import (
     DataConfig,
     document_files,
@@ -28,9 +30,20 @@ from longkv.train.data import (
     split_every,
     split_texts,
 )
-from longkv.train.loop import TrainConfig, evaluate, train, world
+from longkv.train.loop import (
+    MODEL_FIELDS,
+    Interrupted,
+    TrainConfig,
+    describe,
+    differences,
+    evaluate,
+    run_settings,
+    train,
+    world,
+)
 from longkv.train.report import (
     PROVENANCE,
+    RUN_FILE,
     markdown_table,
     plot_runs,
     read_metrics,
@@ -63,11 +76,17 @@ def load_run(path: str, overrides: list[str]) -> dict[str, Any]:
         raise ValueError(
             f"run: unknown sections {sorted(unknown)}; use model, data, train, out_dir"
         )
+    for section in ("model", "data", "train"):
+        if not isinstance(run.get(section) or {}, dict):
+            raise ValueError(
+                f"{section}: must be a mapping of keys to values, got {run[section]!r}"
+            )
     return run
 
 
 def model_config(section: dict[str, Any], vocab_size: int) -> LongKVConfig:
-    """LongKVConfig from a preset name and field overrides."""
+    """LongKVConfig from a preset name and field overrides (LongKVConfig parameters)."""
+    require_known_keys("model", section, ["preset", *MODEL_FIELDS])
     fields = dict(section)
     preset = fields.pop("preset", "tiny")
     if preset not in PRESETS:
@@ -132,31 +151,66 @@ def _settings(run: dict[str, Any]) -> tuple[DataConfig, TrainConfig, Path]:
 def run_train(args: argparse.Namespace, argv: list[str]) -> int:
     run = load_run(args.config, args.overrides)
     data, cfg, out = _settings(run)
-    tokenizer = load_tokenizer(data.tokenizer)
-    config = model_config(run.get("model") or {}, len(tokenizer))
-    text = packed_corpus(tokenizer, data)
-    metrics = train(config, cfg, text.train, text.held_out, out)
-    if world()[0] != 0:
-        return 0
-    record_provenance(out / PROVENANCE, provenance(argv))  # the run's finishing invocation
-    tokenizer.save_pretrained(out / "model")  # generate finds it beside the weights
+    rank, command = world()[0], shlex.join(["longkv", *argv])
+    try:
+        tokenizer = load_tokenizer(data.tokenizer)
+        config = model_config(run.get("model") or {}, len(tokenizer))
+        text = packed_corpus(tokenizer, data)
+        metrics = train(config, cfg, text.train, text.held_out, out, data=asdict(data))
+        if rank != 0:
+            return 0
+        record_provenance(out / PROVENANCE, provenance(argv))  # the run's finishing invocation
+        tokenizer.save_pretrained(out / "model")  # generate finds it beside the weights
+        recorded = {
+            "model": run.get("model") or {}, "data": asdict(data), "train": asdict(cfg),
+            "out_dir": str(out),
+        }  # fmt: skip
+        write_atomic(out / RUN_FILE, yaml.safe_dump(recorded, sort_keys=False))  # for eval-loss
+    except KeyboardInterrupt as stop:  # no traceback: where the run stands and how to go on
+        if rank == 0 and isinstance(stop, Interrupted):
+            again = "resume with" if stop.checkpoint_step else "nothing to resume; rerun with"
+            print(f"longkv train: {stop}; {again}: {command}", file=sys.stderr)
+        elif rank == 0:  # outside the steps, which lose nothing (checkpoints are atomic)
+            print(
+                f"longkv train: interrupted outside the training steps; rerun: {command}",
+                file=sys.stderr,
+            )
+        return 130
     last = metrics[-1]
     eval_loss = last.get("eval_loss", float("nan"))
     print(f"step {last['step']}: loss {last['loss']:.4f}, eval loss {eval_loss:.4f}")
-    print(f"wrote {out}/checkpoint.pt, {out}/metrics.csv, {out}/model")
+    print(f"wrote {out}/checkpoint.pt, {out}/metrics.csv, {out}/model, {out}/{RUN_FILE}")
     return 0
 
 
 def run_eval(args: argparse.Namespace, argv: list[str]) -> int:
     run = load_run(args.config, args.overrides)
     data, cfg, out = _settings(run)
-    path = out / "model"  # written by `longkv train`
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"no trained model in {path}; run `longkv train` with this run")
-    held = pack_texts(load_tokenizer(data.tokenizer), split_texts(data)[1], data.seq_len)
+    path, recorded_path = out / "model", out / RUN_FILE  # written when `longkv train` finishes
+    if not (path / "config.json").is_file() or not recorded_path.is_file():
+        raise FileNotFoundError(
+            f"no finished run in {out} (its model/ and {RUN_FILE}); run `longkv train` with "
+            "this run"
+        )
     model = LongKVForCausalLM.from_pretrained(path).eval()
-    loss = evaluate(model, held, args.batches, cfg.batch_size)
-    print(f"held-out loss {loss:.4f} over {args.batches} batches of {cfg.batch_size}")
+    recorded = load_run(str(recorded_path), [])
+    own_data, own_cfg, _ = _settings(recorded)
+    vocab_size = model.config.vocab_size
+    changed = differences(
+        run_settings(
+            model_config(recorded.get("model") or {}, vocab_size), own_cfg, asdict(own_data)
+        ),
+        run_settings(model_config(run.get("model") or {}, vocab_size), cfg, asdict(data)),
+    )
+    if changed:
+        raise ValueError(
+            f"--config {args.config}: not the settings of the run in {out} ({describe(changed)}"
+            f"; recorded -> given); evaluate it with its own: --config {recorded_path}"
+        )
+    # the run's own tokenizer (saved beside the weights), data and batch size
+    held = pack_texts(load_tokenizer(path), split_texts(own_data)[1], own_data.seq_len)
+    loss = evaluate(model, held, args.batches, own_cfg.batch_size)
+    print(f"held-out loss {loss:.4f} over {args.batches} batches of {own_cfg.batch_size}")
     return 0
 
 

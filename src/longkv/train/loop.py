@@ -1,19 +1,21 @@
 """The training loop: AdamW with warmup and linear decay, clipping, eval, checkpoints, DDP/FSDP.
 
-The batch of step s is a function of (seed, s) alone, so a run resumed from a checkpoint (model,
-optimizer, schedule, step) replays exactly the batches it would have seen. Under torchrun each
-rank takes its slice of the global batch; DistributedDataParallel averages the gradients, or
-FSDP (`fully_shard` per block) shards parameters, gradients and optimizer state. Each process
-uses the GPU of its LOCAL_RANK when CUDA is available (bf16 autocast unless amp=False), else
-the CPU in the model's dtype.
+The batch of step s is a function of (seed, s) alone and its learning rate a function of
+(s, warmup, steps), so a run resumed from a checkpoint (model, optimizer, step, settings)
+replays exactly the steps it would have taken. Under torchrun each rank takes its slice of the
+global batch; DistributedDataParallel averages the gradients, or FSDP (`fully_shard` per block)
+shards parameters, gradients and optimizer state. Each process uses the GPU of its LOCAL_RANK
+when CUDA is available (bf16 autocast unless amp=False), else the CPU in the model's dtype.
 """
 
 from __future__ import annotations
 
 import csv
 import importlib.util
+import inspect
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,8 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_state_dict,
-    set_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
 )
 from tqdm import tqdm
 
@@ -35,6 +38,17 @@ from longkv.results import replaced_atomically
 
 CHECKPOINT = "checkpoint.pt"
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered, on rank 0's CPU
+MODEL_FIELDS = tuple(
+    name
+    for name in inspect.signature(LongKVConfig.__init__).parameters
+    if name not in ("self", "kwargs")
+)  # the settings of a LongKVConfig
+# Settings a resumed run may change: the length of the run and its bookkeeping (the checkpoint
+# holds gathered state dicts, the same whatever the parallelism). Anything else is refused.
+RESUMABLE = (
+    "train.steps", "train.eval_every", "train.eval_batches", "train.checkpoint_every",
+    "train.parallel",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -90,26 +104,111 @@ def lr_factor(step: int, warmup: int, steps: int) -> float:
     return max(0.0, (steps - step) / max(1, steps - warmup))
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during the steps of `train`; says the steps done and the step the checkpoint holds."""
+
+    def __init__(self, step: int, checkpoint: Path, checkpoint_step: int, cfg: TrainConfig) -> None:
+        self.step = step
+        self.checkpoint_step = checkpoint_step  # 0: no checkpoint written yet
+        done = f"interrupted after step {step} of {cfg.steps}"
+        if checkpoint_step == 0:
+            every = f"train.checkpoint_every={cfg.checkpoint_every}"
+            super().__init__(f"{done}, before the first checkpoint ({every})")
+            return
+        redo = (
+            f", the {step - checkpoint_step} after it will be redone"
+            if step > checkpoint_step
+            else ""
+        )
+        super().__init__(f"{done}; {checkpoint} holds step {checkpoint_step}{redo}")
+
+
+def run_settings(
+    model_config: LongKVConfig, cfg: TrainConfig, data: Mapping[str, Any] | None = None
+) -> dict[str, dict[str, Any]]:
+    """What a run is made of, by section: model fields, data (what made the rows), train."""
+    return {
+        "model": {name: getattr(model_config, name) for name in MODEL_FIELDS},
+        "data": dict(data or {}),
+        "train": asdict(cfg),
+    }
+
+
+def differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(dotted key, old, new) for every leaf that differs; nested mappings are compared by key."""
+    changed = []
+    for key in [*old, *(k for k in new if k not in old)]:
+        a, b = old.get(key, "(unset)"), new.get(key, "(unset)")
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
+            changed += [(f"{key}.{k}", x, y) for k, x, y in differences(a, b)]
+        elif a != b:
+            changed.append((key, a, b))
+    return changed
+
+
+def describe(changed: list[tuple[str, Any, Any]]) -> str:
+    """`key: old -> new; ...` for the output of differences."""
+    return "; ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in changed)
+
+
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
     """torch.save through a temporary file and a rename: never a half-written checkpoint."""
     with replaced_atomically(path) as tmp:
         torch.save(state, tmp)
 
 
-def load_checkpoint(path: Path, model_config: LongKVConfig, train: TrainConfig) -> dict[str, Any]:
-    """The checkpoint at path, refused unless it was written by the same model and run config."""
+def load_checkpoint(path: Path, settings: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The checkpoint at path; refused if its run settings differ from `settings` (see
+    run_settings) outside RESUMABLE, or its step is past settings' train.steps."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as err:
         raise ValueError(
             f"checkpoint {path} is unreadable ({err}); delete it or pass another out dir"
         ) from err
-    if state.get("model_config") != model_config.to_dict() or state.get("train") != asdict(train):
+    if "settings" not in state:
         raise ValueError(
-            f"checkpoint {path} was written by another model or training config; use a new "
-            "out dir, or the settings that wrote it"
+            f"checkpoint {path} records no run settings (an older longkv wrote it); resume it "
+            "with that version, or pass another out_dir"
+        )
+    refused = [d for d in differences(state["settings"], settings) if d[0] not in RESUMABLE]
+    if refused:
+        raise ValueError(
+            f"checkpoint {path} was written with other settings ({describe(refused)}); resume "
+            f"with the settings that wrote it, or pass another out_dir (only "
+            f"{', '.join(RESUMABLE)} may change on resume)"
+        )
+    steps = settings["train"]["steps"]
+    if state["step"] > steps:
+        raise ValueError(
+            f"checkpoint {path} is at step {state['step']}, past train.steps={steps}; pass "
+            f"train.steps >= {state['step']}, or another out_dir"
         )
     return state
+
+
+def load_training_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Model and AdamW state from a checkpoint's gathered state dicts, exactly as saved.
+
+    A parameter that never received a gradient (a KVM merge gate whose rows never overflow the
+    window, say) has no optimizer state. The loader would refuse that unless not strict, and
+    then invent one (step 1, zero moments); it is dropped again, so that such a parameter, as
+    in the run that wrote the checkpoint, starts its state at its first gradient.
+    """
+    set_model_state_dict(model, state["model"], options=StateDictOptions(full_state_dict=True))
+    set_optimizer_state_dict(
+        model, optimizer, state["optimizer"],
+        options=StateDictOptions(full_state_dict=True, strict=False),
+    )  # fmt: skip
+    for name, param in model.named_parameters():
+        if name not in state["optimizer"]["state"]:
+            optimizer.state.pop(param, None)
+
+
+def progress_postfix(loss: float, eval_loss: float | None) -> str:
+    """The progress bar's postfix: the step's training loss and the last held-out loss."""
+    shown = f"loss={loss:.4f}"
+    return shown if eval_loss is None else f"{shown}, eval_loss={eval_loss:.4f}"
 
 
 def train_device() -> torch.device:
@@ -133,7 +232,9 @@ def distribute(
         fully_shard(model)
         return model
     ids = [device.index] if device.type == "cuda" else None
-    return nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    # static_graph: every step uses the same parameters, and some may never get a gradient (a
+    # KVM merge gate when rows fit the window), which plain DDP refuses at the second step.
+    return nn.parallel.DistributedDataParallel(model, device_ids=ids, static_graph=True)
 
 
 def tensorboard_writer(out: Path, first_step: int) -> Any:
@@ -156,14 +257,19 @@ def train(
     held_out_rows: Tensor,
     out_dir: str | Path,
     *,
+    data: Mapping[str, Any] | None = None,
     stop_after: int | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> list[dict[str, float]]:
-    """Train (or resume) on rows (N, seq_len + 1) and return the metrics rows.
+    """Train (or resume, or extend) on rows (N, seq_len + 1) and return the metrics rows.
 
-    A row per step: step, loss, lr, eval_loss (on eval steps) and seconds (wall time of the
-    training steps so far, evaluations included, checkpoint writes not; carried across resumes).
-    stop_after simulates an interruption.
+    A row per step: step, loss, lr (of that step's update), eval_loss (on eval steps) and
+    seconds (wall time of the training steps so far, evaluations included, checkpoint writes
+    not; carried across resumes). data: the settings that made the rows, recorded with the
+    model and train settings in the checkpoint and compared on resume (see load_checkpoint).
+    A checkpoint in out_dir is continued from its step to cfg.steps, the learning rate of step
+    s being cfg.lr * lr_factor(s, cfg.warmup, cfg.steps) whatever steps the checkpoint's run
+    had. stop_after simulates an interruption. Ctrl-C during the steps raises Interrupted.
     """
     rank, size = world()
     device = train_device()
@@ -177,19 +283,13 @@ def train(
     model = LongKVForCausalLM(model_config).to(device=device, dtype=dtype)
     net = distribute(model, cfg.parallel, size, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, cfg.warmup, cfg.steps)
-    )
+    settings = run_settings(model_config, cfg, data)
     metrics: list[dict[str, float]] = []
     start = 0
     checkpoint = out / CHECKPOINT
     if checkpoint.is_file():
-        state = load_checkpoint(checkpoint, model_config, cfg)
-        set_state_dict(
-            model, optimizer, model_state_dict=state["model"],
-            optim_state_dict=state["optimizer"], options=StateDictOptions(full_state_dict=True),
-        )  # fmt: skip
-        schedule.load_state_dict(state["schedule"])
+        state = load_checkpoint(checkpoint, settings)
+        load_training_state(model, optimizer, state)
         start, metrics = state["step"], state["metrics"]
     autocast = torch.autocast(
         device.type, dtype=torch.bfloat16, enabled=cfg.amp and device.type == "cuda"
@@ -197,52 +297,67 @@ def train(
     writer = tensorboard_writer(out, start + 1) if rank == 0 else None  # rows count from 1
     local = cfg.batch_size // size
     elapsed = metrics[-1]["seconds"] if metrics else 0.0  # training time, resumes included
+    evals = [row["eval_loss"] for row in metrics if "eval_loss" in row]
+    eval_loss = evals[-1] if evals else None
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
-    for step in tqdm(range(start, end), desc="train", unit="step", disable=rank != 0):
-        t0 = time.perf_counter()
-        rows = train_rows[batch_rows(step, len(train_rows), cfg.batch_size, cfg.seed)]
-        mine = rows[rank * local : (rank + 1) * local].to(device)
-        with autocast:
-            loss = _next_token_loss(net, mine)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        optimizer.step()
-        schedule.step()
-        row = {"step": step + 1, "loss": _mean_over_ranks(loss.detach(), size)}
-        row["lr"] = schedule.get_last_lr()[0]
-        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+    saved = start  # the step the checkpoint holds (rank 0 writes it)
+    bar = tqdm(
+        range(start, end), desc="train", unit="step", initial=start, total=end,
+        disable=rank != 0,
+    )  # fmt: skip
+    try:
+        for step in bar:
+            t0 = time.perf_counter()
+            rows = train_rows[batch_rows(step, len(train_rows), cfg.batch_size, cfg.seed)]
+            mine = rows[rank * local : (rank + 1) * local].to(device)
             with autocast:
-                row["eval_loss"] = evaluate(net, held_out_rows, cfg.eval_batches, cfg.batch_size)
-        elapsed += time.perf_counter() - t0
-        row["seconds"] = elapsed
-        metrics.append(row)
+                loss = _next_token_loss(net, mine)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            lr = cfg.lr * lr_factor(step, cfg.warmup, cfg.steps)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            optimizer.step()
+            row = {"step": step + 1, "loss": _mean_over_ranks(loss.detach(), size), "lr": lr}
+            if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+                with autocast:
+                    eval_loss = evaluate(net, held_out_rows, cfg.eval_batches, cfg.batch_size)
+                row["eval_loss"] = eval_loss
+            elapsed += time.perf_counter() - t0
+            row["seconds"] = elapsed
+            metrics.append(row)
+            bar.set_postfix_str(progress_postfix(row["loss"], eval_loss))
+            if writer is not None:
+                for key in ("loss", "lr", "eval_loss"):
+                    if key in row:
+                        writer.add_scalar(key, row[key], step + 1)
+            if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == end:
+                model_state, optim_state = get_state_dict(model, optimizer, options=FULL)
+                if rank == 0:
+                    save_checkpoint(
+                        checkpoint,
+                        {
+                            "model": model_state, "optimizer": optim_state, "step": step + 1,
+                            "metrics": metrics, "settings": settings,
+                        },
+                    )  # fmt: skip
+                    saved = step + 1
+                    write_metrics(out / "metrics.csv", metrics)
+                    if writer is not None:
+                        writer.flush()
+            if size > 1:
+                dist.barrier()
         if writer is not None:
-            for key in ("loss", "lr", "eval_loss"):
-                if key in row:
-                    writer.add_scalar(key, row[key], step + 1)
-        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == end:
-            model_state, optim_state = get_state_dict(model, optimizer, options=FULL)
+            writer.close()
+        if end == cfg.steps:  # the finished model, for generate and eval-loss
+            model_state = get_model_state_dict(model, options=FULL)
             if rank == 0:
-                save_checkpoint(
-                    checkpoint,
-                    {
-                        "model": model_state, "optimizer": optim_state,
-                        "schedule": schedule.state_dict(), "step": step + 1, "metrics": metrics,
-                        "model_config": model_config.to_dict(), "train": asdict(cfg),
-                    },
-                )  # fmt: skip
-                write_metrics(out / "metrics.csv", metrics)
-                if writer is not None:
-                    writer.flush()
-        if size > 1:
-            dist.barrier()
-    if writer is not None:
-        writer.close()
-    if end == cfg.steps:  # the finished model, for generate and eval-loss
-        model_state = get_model_state_dict(model, options=FULL)
-        if rank == 0:
-            model.save_pretrained(out / "model", state_dict=model_state)
+                model.save_pretrained(out / "model", state_dict=model_state)
+    except KeyboardInterrupt as err:
+        raise Interrupted(len(metrics), checkpoint, saved, cfg) from err
+    finally:
+        bar.close()  # before any message about the interruption
     return metrics
 
 

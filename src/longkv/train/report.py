@@ -15,6 +15,7 @@ from longkv.results import pyplot, save_figure, write_atomic
 from longkv.train.loop import evaluate
 
 PROVENANCE = "provenance.json"  # in a run's out_dir: a record per finished `longkv train`
+RUN_FILE = "run.yaml"  # in a run's out_dir: the run file of its last finished `longkv train`
 
 
 @dataclass(frozen=True)
