@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from conftest import tiny_longkv
 from longkv.fold import compat, fold_generate, kv_fold, streaming_llm
+from longkv.kvm.functional import _non_rotary
 
 V, T = 53, 45
 LAYOUTS = {"hybrid": ["kvm", "swa", "kvm", "bswa"], "full-kvm": ["full", "kvm"]}
@@ -64,3 +65,13 @@ def test_streaming_and_offloading_are_refused() -> None:
         streaming_llm(model, ids, sinks=2, window=8)
     with pytest.raises(ValueError, match="offload_cache: LongKVForCausalLM carries a LongKVCache"):
         compat.new_cache(model, offload=True)
+
+
+def test_a_fold_leaves_the_model_trainable() -> None:
+    """What the fold's inference mode first computes and caches is usable by autograd later."""
+    _non_rotary.cache_clear()  # the shared key mask is made on first use: here, in the fold
+    model = tiny_longkv(LAYOUTS["hybrid"], vocab_size=V)
+    ids = torch.randint(0, V, (1, 20))
+    kv_fold(model, ids, 8, measure_memory=False)
+    model(ids, labels=ids).loss.backward()
+    assert all(p.grad is not None for p in model.model.layers[0].mixer.parameters())
