@@ -1,5 +1,6 @@
-"""Shared helpers for the tests: random attention inputs in float64, and what the tests need
-beyond the data shipped with longkv (the full corpus, the default model), skipped when absent.
+"""Shared helpers for the tests: random attention inputs and tiny longkv models in float64, and
+what the tests need beyond the data shipped with longkv (the full corpus, the default model),
+skipped when absent.
 
 The full public-domain corpus is looked for in `shared/data/corpus` beside the checkout, or under
 $LONGKV_TEST_SHARED when it is set (`LONGKV_TEST_SHARED=/nonexistent` runs the suite as a
@@ -14,12 +15,14 @@ import importlib.util
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch import Tensor
 
 from longkv.kvm import KVMState
+from longkv.models import LongKVConfig, LongKVForCausalLM
 from longkv.models.pretrained import SMOLLM2_FOLDER, cache_dir, smollm2_gguf
 
 SHARED_ENV = "LONGKV_TEST_SHARED"
@@ -99,6 +102,41 @@ def assert_same_state(a: KVMState, b: KVMState, tol: float = TOL) -> None:
     assert_close(a.window.v, b.window.v, tol)
     assert a.window.g is not None and b.window.g is not None
     assert_close(a.window.g, b.window.g, tol)
+
+
+TINY_KVM = dict(chunk_len=4, window_chunks=2, sink_len=1, state_min_len=4, rope_dim=4)
+BUDGETS = {
+    "fixed": dict(budget="fixed", max_state_chunks=2, state_min_len=6),
+    "sqrt": dict(budget="power_law", growth_factor=3.0, max_state_chunks=None),
+    "saturation": dict(
+        budget="saturation", saturation_n=16, state_min_len=1, max_state_chunks=None
+    ),
+}
+
+
+def tiny_longkv(
+    layout: list[str],
+    budget: str = "sqrt",
+    extras: bool = False,
+    vocab_size: int = 53,
+    **overrides: Any,
+) -> LongKVForCausalLM:
+    """A float64 longkv LM, d_model 32, C = 4 (extras: token shift and value residual on)."""
+    config = LongKVConfig(**{
+        **dict(
+            vocab_size=vocab_size, d_model=32, n_layers=len(layout), n_heads=4, n_kv_heads=2,
+            layout=layout, kvm={**TINY_KVM, **BUDGETS[budget]}, swa_window=6, bswa_chunk_len=4,
+            bswa_window_chunks=2, token_shift=extras, value_residual=extras,
+        ),
+        **overrides,
+    })  # fmt: skip
+    torch.manual_seed(0)
+    model = LongKVForCausalLM(config).double().eval()
+    with torch.no_grad():  # LayerNorms, temperatures and mixes off their init
+        for name, p in model.named_parameters():
+            if any(part in name for part in ("norm", "temp", "shift", "value_mix")):
+                p.add_(0.2 * torch.randn_like(p))
+    return model
 
 
 @pytest.fixture(autouse=True)

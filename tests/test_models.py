@@ -9,33 +9,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from conftest import tiny_longkv
 from longkv.models import LongKVConfig, LongKVForCausalLM
 
 V, T = 53, 40
-KVM = dict(chunk_len=4, window_chunks=2, sink_len=1, state_min_len=4, rope_dim=4)
-BUDGETS = {
-    "fixed": dict(budget="fixed", max_state_chunks=2, state_min_len=6),
-    "sqrt": dict(budget="power_law", growth_factor=3.0, max_state_chunks=None),
-    "saturation": dict(
-        budget="saturation", saturation_n=16, state_min_len=1, max_state_chunks=None
-    ),
-}
 
 
 def tiny(layout: list[str], budget: str = "sqrt", extras: bool = False) -> LongKVForCausalLM:
-    """extras: token shift and value residual on."""
-    config = LongKVConfig(
-        vocab_size=V, d_model=32, n_layers=len(layout), n_heads=4, n_kv_heads=2, layout=layout,
-        kvm={**KVM, **BUDGETS[budget]}, swa_window=6, bswa_chunk_len=4, bswa_window_chunks=2,
-        token_shift=extras, value_residual=extras,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = LongKVForCausalLM(config).double().eval()
-    with torch.no_grad():  # LayerNorms, temperatures and mixes off their init
-        for name, p in model.named_parameters():
-            if any(part in name for part in ("norm", "temp", "shift", "value_mix")):
-                p.add_(0.2 * torch.randn_like(p))
-    return model
+    return tiny_longkv(layout, budget, extras, vocab_size=V)
 
 
 CASES = {
@@ -116,8 +97,8 @@ def test_bad_configs_fail_when_built(overrides: dict, match: str) -> None:  # ty
 
 def test_token_shift_and_value_residual_change_the_model() -> None:
     plain, extras = tiny(*CASES["hybrid"]), tiny(*CASES["hybrid"], True)
-    assert extras.blocks[0].mixer.value_mix is None  # the first layer's values are v_first
-    assert all(b.mixer.value_mix is not None for b in extras.blocks[1:])
+    assert extras.model.layers[0].mixer.value_mix is None  # the first layer: v_first
+    assert all(b.mixer.value_mix is not None for b in extras.model.layers[1:])
     extras.load_state_dict(plain.state_dict(), strict=False)
     ids = torch.randint(0, V, (2, T))
     assert (run(extras, ids, [0, T]) - run(plain, ids, [0, T])).abs().max().item() > 1e-3
@@ -135,22 +116,25 @@ def test_presets_build() -> None:
 def test_generate_with_the_cache_equals_recomputing(case: str, sample: bool) -> None:
     model = tiny(*CASES[case])
     ids = torch.randint(0, V, (2, 21), generator=torch.Generator().manual_seed(2))
-    kw = dict(max_new_tokens=15, do_sample=sample, temperature=0.8, top_k=20)
+    kw = dict(do_sample=True, temperature=0.8, top_k=20) if sample else dict(do_sample=False)
 
     def gen(use_cache: bool) -> torch.Tensor:
+        torch.manual_seed(3)
         return model.generate(
-            ids, use_cache=use_cache, generator=torch.Generator().manual_seed(3), **kw
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=15, use_cache=use_cache, **kw
         )
 
-    cached, scratch = gen(True), gen(False)
+    cached, scratch = gen(True), gen(False)  # without a cache every step runs from scratch
     assert cached.shape == (2, 36) and torch.equal(cached[:, :21], ids)
     assert torch.equal(cached, scratch)
 
 
-def test_generate_stops_rows_at_eos() -> None:
+def test_generate_stops_at_the_generation_config_eos() -> None:
     model = tiny(["kvm", "swa"])
-    ids = torch.randint(0, V, (2, 10))
+    ids = torch.randint(0, V, (1, 10), generator=torch.Generator().manual_seed(4))
+    assert model.generation_config.eos_token_id is None  # no eos: all 6 tokens
     free = model.generate(ids, max_new_tokens=6)
     eos = int(free[0, 12])
-    out = model.generate(ids, max_new_tokens=6, eos_token_id=eos)
-    assert torch.all(out[0, 12:] == eos)
+    assert eos not in free[0, 10:12].tolist()
+    model.generation_config.eos_token_id = eos
+    assert torch.equal(model.generate(ids, max_new_tokens=6), free[:, :13])

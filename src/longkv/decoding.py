@@ -1,4 +1,4 @@
-"""The token-by-token decoding loop shared by KV-Fold, StreamingLLM and longkv's own models."""
+"""The token-by-token decoding loop shared by KV-Fold and StreamingLLM."""
 
 from __future__ import annotations
 
@@ -8,12 +8,6 @@ import torch
 from torch import Tensor
 
 Step = Callable[[Tensor], Tensor]  # next ids (B, 1) -> logits (B, V) after them
-Pick = Callable[[Tensor], Tensor]  # logits (B, V) -> ids (B,)
-
-
-def greedy(logits: Tensor) -> Tensor:
-    """The most likely token of each row: logits (B, V) -> (B,)."""
-    return logits.argmax(dim=-1)
 
 
 def decode(
@@ -21,10 +15,9 @@ def decode(
     logits: Tensor,
     max_new_tokens: int,
     *,
-    pick: Pick = greedy,
     eos_token_id: int | None = None,
 ) -> Tensor:
-    """New tokens (B, n <= max_new_tokens) continuing whatever `step` carries.
+    """Greedy new tokens (B, n <= max_new_tokens) continuing whatever `step` carries.
 
     logits: (B, V) after the last token fed. A row that emitted eos_token_id keeps emitting it;
     decoding stops when every row has. The last new token is never fed to `step`.
@@ -35,7 +28,7 @@ def decode(
     tokens = []
     with torch.inference_mode():
         for i in range(max_new_tokens):
-            nxt = pick(logits)
+            nxt = logits.argmax(dim=-1)
             if eos_token_id is not None:
                 nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
                 done |= nxt == eos_token_id

@@ -35,6 +35,11 @@ class WindowCache:
         return self.seen - self.k.shape[2]
 
     @property
+    def batch_size(self) -> int:
+        """B, the batch rows."""
+        return self.k.shape[0]
+
+    @property
     def nbytes(self) -> int:
         """Bytes held by the cached tensors."""
         tensors = [self.k, self.v] + ([self.g] if self.g is not None else [])
@@ -50,6 +55,14 @@ class WindowCache:
             v=self.v.to(device=device, dtype=dtype),
             seen=self.seen,
             g=g,
+        )
+
+    def select_rows(self, rows: Tensor) -> WindowCache:
+        """The cache of batch rows `rows` (R,), in that order (beam reorder, repeat, select)."""
+        rows = rows.to(self.k.device)
+        g = None if self.g is None else self.g.index_select(0, rows)
+        return WindowCache(
+            k=self.k.index_select(0, rows), v=self.v.index_select(0, rows), seen=self.seen, g=g
         )
 
     def extend(self, k: Tensor, v: Tensor, g: Tensor | None = None) -> WindowCache:

@@ -21,6 +21,7 @@ from tqdm import tqdm
 from longkv.cli.args import require_known_keys, settings_from_section
 from longkv.data.corpus import read_document
 from longkv.models import LongKVConfig, LongKVForCausalLM
+from longkv.models.pretrained import load_model, resolve_model
 from longkv.results import provenance, write_atomic, write_report
 from longkv.train.data import (
     DataConfig,
@@ -84,14 +85,22 @@ def load_run(path: str, overrides: list[str]) -> dict[str, Any]:
     return run
 
 
-def model_config(section: dict[str, Any], vocab_size: int) -> LongKVConfig:
-    """LongKVConfig from a preset name and field overrides (LongKVConfig parameters)."""
+def model_config(section: dict[str, Any], tokenizer: Any) -> LongKVConfig:
+    """LongKVConfig from a preset name and field overrides (LongKVConfig parameters), with the
+    tokenizer's vocabulary size and special tokens (so the saved generation_config stops at its
+    eos)."""
     require_known_keys("model", section, ["preset", *MODEL_FIELDS])
     fields = dict(section)
     preset = fields.pop("preset", "tiny")
     if preset not in PRESETS:
         raise ValueError(f"model.preset: unknown {preset!r}; choose from {sorted(PRESETS)}")
-    return PRESETS[preset](**{"vocab_size": vocab_size, **fields})
+    tokens = {
+        "vocab_size": len(tokenizer),
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    return PRESETS[preset](**{**tokens, **fields})
 
 
 def add_parsers(commands: argparse._SubParsersAction) -> None:
@@ -154,7 +163,7 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> int:
     rank, command = world()[0], shlex.join(["longkv", *argv])
     try:
         tokenizer = load_tokenizer(data.tokenizer)
-        config = model_config(run.get("model") or {}, len(tokenizer))
+        config = model_config(run.get("model") or {}, tokenizer)
         text = packed_corpus(tokenizer, data)
         metrics = train(config, cfg, text.train, text.held_out, out, data=asdict(data))
         if rank != 0:
@@ -215,16 +224,22 @@ def run_eval(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def run_generate(args: argparse.Namespace, argv: list[str]) -> int:
-    model = LongKVForCausalLM.from_pretrained(args.model).eval()
-    own = (Path(args.model) / "tokenizer_config.json").is_file()
-    tokenizer = load_tokenizer(args.tokenizer or (args.model if own else None))
-    ids = torch.tensor([tokenizer(args.prompt)["input_ids"]])
+    path = resolve_model(args.model)
+    model = load_model(path)  # any causal LM, as what it is; a longkv model is one
+    own = (Path(path) / "tokenizer_config.json").is_file()
+    tokenizer = load_tokenizer(args.tokenizer or (path if own else None))
+    eos = model.generation_config.eos_token_id  # the model's own, else the tokenizer's
+    sampling: dict[str, Any] = (
+        {"do_sample": True, "temperature": args.temperature, "top_k": args.top_k or 0}
+        if args.sample
+        else {"do_sample": False}
+    )  # top_k 0: every token
+    torch.manual_seed(args.seed)
     out = model.generate(
-        ids, args.max_new_tokens, do_sample=args.sample, temperature=args.temperature,
-        top_k=args.top_k, eos_token_id=tokenizer.eos_token_id,
-        generator=torch.Generator().manual_seed(args.seed),
+        **tokenizer(args.prompt, return_tensors="pt"), max_new_tokens=args.max_new_tokens,
+        eos_token_id=tokenizer.eos_token_id if eos is None else eos, **sampling,
     )  # fmt: skip
-    print(tokenizer.decode(out[0]))
+    print(tokenizer.decode(out[0], skip_special_tokens=True))
     return 0
 
 

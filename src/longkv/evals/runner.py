@@ -23,7 +23,7 @@ from tqdm import tqdm
 from longkv.checks import require, require_at_least
 from longkv.evals.niah import TASKS, make_sample, sample_score
 from longkv.fold.generate import fold_generate
-from longkv.fold.streaming import streaming_generate
+from longkv.fold.streaming import check_streamable, streaming_generate
 from longkv.results import pyplot, save_figure, write_atomic
 
 METHODS = ("full", "fold", "streaming")
@@ -128,6 +128,18 @@ def answer(
     return tokens[: tokens.index(eos)] if eos is not None and eos in tokens else tokens
 
 
+def check_methods(model: nn.Module, s: NiahSettings) -> None:
+    """Raise ValueError, before any answer, if one of the methods cannot run on the model."""
+    if "streaming" in s.methods:
+        try:
+            check_streamable(model, s.sinks, s.window)
+        except ValueError as err:
+            raise ValueError(
+                f"methods: streaming cannot run on this model ({err}); leave it out, e.g. "
+                "--methods full fold"
+            ) from err
+
+
 def run_niah(
     model: nn.Module,
     tokenizer: Any,
@@ -137,6 +149,7 @@ def run_niah(
     corpus_dir: str | None = None,
 ) -> NiahRun:
     """Answer every sample of the grid with every method; save after each answer."""
+    check_methods(model, s)
     cells = [
         (task, n, d, s.seed + i)
         for task in s.tasks

@@ -1,4 +1,5 @@
-"""The one place that knows how transformers names its cache argument.
+"""The one place that knows how transformers names its cache argument, and which cache a model
+carries: transformers' per-layer keys and values, or a longkv model's own LongKVCache.
 
 transformers 5.24 renamed the `past_key_values` argument and output field of causal LMs to
 `cache` (the old name warns until 5.40); 5.4 removed `cache_position`, so positions travel
@@ -16,16 +17,32 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
+from longkv.models import LongKVCache, LongKVForCausalLM
+
 TRANSFORMERS_VERSION = Version(transformers.__version__)
 CACHE_ARG = "cache" if TRANSFORMERS_VERSION >= Version("5.24") else "past_key_values"
+
+
+def keeps_keys_and_values(model: nn.Module) -> bool:
+    """Whether the model's cache holds keys and values per layer (False: a longkv model's
+    LongKVCache of KVM states, window caches and token-shift inputs)."""
+    return not isinstance(model, LongKVForCausalLM)
 
 
 def new_cache(model: nn.Module, offload: bool = False) -> Cache:
     """An empty cache laid out for the model (sliding-window layers keep their own window).
 
-    offload: keep each layer's keys and values in CPU memory between uses (accelerator only).
+    offload: keep each layer's keys and values in CPU memory between uses (accelerator only;
+    not for a longkv model, whose states are rebuilt at every call).
     """
-    return DynamicCache(config=model.config, offloading=offload)
+    if keeps_keys_and_values(model):
+        return DynamicCache(config=model.config, offloading=offload)
+    if offload:
+        raise ValueError(
+            f"offload_cache: {type(model).__name__} carries a LongKVCache, which transformers' "
+            "offloading does not move; run without offloading"
+        )
+    return LongKVCache(model.config.n_layers)
 
 
 def accepts_cache(model: nn.Module) -> bool:

@@ -33,6 +33,12 @@ def check_streamable(model: nn.Module, sinks: int, window: int) -> Tensor:
         raise ValueError(f"sinks: must be an int >= 0, got {sinks!r}")
     if not isinstance(window, int) or window < 1:
         raise ValueError(f"window: must be an int >= 1, got {window!r}")
+    if not compat.keeps_keys_and_values(model):
+        raise ValueError(
+            f"model: StreamingLLM evicts and re-rotates per-layer cached keys and values, but "
+            f"{type(model).__name__} carries KVM states and window caches instead; run it with "
+            "KV-Fold (its own chunked prefill) or full attention"
+        )
     config = model.config
     rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
     inv_freq = getattr(rotary, "inv_freq", None)

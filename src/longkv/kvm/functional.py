@@ -46,9 +46,14 @@ def prep_keys(k: Tensor, config: KVMConfig, weight: Tensor | None, bias: Tensor 
 
 @functools.cache
 def _non_rotary(dim: int, rope_dim: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """(dim,) with 0 on the first rope_dim channels and 1 elsewhere (read-only, shared)."""
-    keep = torch.ones(dim, dtype=dtype, device=device)
-    keep[:rope_dim] = 0
+    """(dim,) with 0 on the first rope_dim channels and 1 elsewhere (read-only, shared).
+
+    Made outside inference mode even when first asked for inside it (a fold, decoding), so the
+    shared tensor stays usable in autograd afterwards.
+    """
+    with torch.inference_mode(False):
+        keep = torch.ones(dim, dtype=dtype, device=device)
+        keep[:rope_dim] = 0
     return keep
 
 

@@ -52,6 +52,11 @@ class KVMState:
         return self.slot_k.shape[2]
 
     @property
+    def batch_size(self) -> int:
+        """B, the batch rows."""
+        return self.slot_k.shape[0]
+
+    @property
     def nbytes(self) -> int:
         """Bytes held by the state's tensors."""
         slots = sum(t.numel() * t.element_size() for t in (self.slot_k, self.slot_v, self.slot_r))
@@ -67,3 +72,14 @@ class KVMState:
             if f.name.startswith("slot_")
         }
         return replace(self, window=self.window.to(device=device, dtype=dtype), **moved)
+
+    def select_rows(self, rows: Tensor) -> KVMState:
+        """The state of batch rows `rows` (R,), in that order (beam reorder, repeat, select)."""
+        rows = rows.to(self.slot_k.device)
+        return replace(
+            self,
+            slot_k=self.slot_k.index_select(0, rows),
+            slot_v=self.slot_v.index_select(0, rows),
+            slot_r=self.slot_r.index_select(0, rows),
+            window=self.window.select_rows(rows),
+        )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import fields
-from typing import Any
+from typing import Any, ClassVar
 
 from transformers import PreTrainedConfig
 
@@ -23,9 +23,19 @@ class LongKVConfig(PreTrainedConfig):
     RoPE (the first kvm.rope_dim channels in kvm layers, `rope_dim` elsewhere, None = all),
     ReLU^2 MLP of mlp_ratio * d_model, untied output head. token_shift and value_residual: the
     optional shell features of AttentionConfig (value residual in every layer after the first).
+    n_kv_heads None is stored as n_heads. bos/eos/pad_token_id: the tokenizer's special tokens,
+    which the model's generation_config takes (generation stops at eos by default).
+    transformers' usual names read and write the same fields (`attribute_map`): hidden_size,
+    num_hidden_layers, num_attention_heads, num_key_value_heads.
     """
 
     model_type = "longkv"
+    attribute_map: ClassVar[dict[str, str]] = {
+        "hidden_size": "d_model",
+        "num_hidden_layers": "n_layers",
+        "num_attention_heads": "n_heads",
+        "num_key_value_heads": "n_kv_heads",
+    }
 
     def __init__(
         self,
@@ -46,13 +56,16 @@ class LongKVConfig(PreTrainedConfig):
         mlp_ratio: int = 4,
         token_shift: bool = False,
         value_residual: bool = False,
+        bos_token_id: int | None = None,
+        eos_token_id: int | None = None,
+        pad_token_id: int | None = None,
         **kwargs: Any,
     ) -> None:
         self.vocab_size = vocab_size
         self.d_model = d_model
         self.n_layers = n_layers
         self.n_heads = n_heads
-        self.n_kv_heads = n_kv_heads
+        self.n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         self.head_dim = head_dim
         self.mixer = mixer
         self.layout = list(layout) if layout is not None else None
@@ -65,6 +78,9 @@ class LongKVConfig(PreTrainedConfig):
         self.mlp_ratio = mlp_ratio
         self.token_shift = token_shift
         self.value_residual = value_residual
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)
         self.validate_longkv()

