@@ -52,7 +52,7 @@ def test_train_then_eval_and_generate(
     assert (out / "model" / "model.safetensors").is_file()
     assert json.loads((out / "model" / "config.json").read_text())["vocab_size"] == learned
     generation = json.loads((out / "model" / "generation_config.json").read_text())
-    assert generation["eos_token_id"] == load_tokenizer(bpe).eos_token_id  # generate stops there
+    assert generation["eos_token_id"] == load_tokenizer(tmp_path / "bpe").eos_token_id
     assert main(["eval-loss", "--config", str(CONFIG), *overrides, "--batches", "1"]) == 0
     assert "held-out loss" in capsys.readouterr().out
     assert main(["eval-loss", "--config", str(out / "run.yaml"), "--batches", "1"]) == 0
