@@ -14,7 +14,7 @@ import yaml
 from longkv.cli.main import main
 from longkv.cli.train import load_run, model_config
 from longkv.train import loop
-from longkv.train.tokenizer import load_tokenizer
+from longkv.train.tokenizer import gpt2_tokenizer, load_tokenizer
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny_kvm.yaml"
 
@@ -134,9 +134,9 @@ def test_overrides_and_bad_runs(capsys: pytest.CaptureFixture[str]) -> None:
     assert "data: unknown keys ['seqlen']" in err and "TrainConfig.parallel: must be" in err
     assert "model: must be a mapping of keys to values, got 'tiny'" in err
     with pytest.raises(ValueError, match="model: unknown keys") as refused:  # not a kwarg
-        model_config({"prest": "tiny", "mixer": "full"}, 64)
+        model_config({"prest": "tiny", "mixer": "full"}, gpt2_tokenizer())
     assert str(refused.value).startswith(
-        "model: unknown keys ['prest']; use ['bswa_chunk_len', 'bswa_window_chunks',"
+        "model: unknown keys ['prest']; use ['bos_token_id', 'bswa_chunk_len',"
     )
     assert "'preset', 'rope_base'" in str(refused.value)  # the preset and LongKVConfig's fields
 

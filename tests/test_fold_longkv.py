@@ -37,9 +37,7 @@ def test_fold_continues_from_its_cache_and_inserts_prefixes() -> None:
     with torch.no_grad():
         full = model(ids).logits
     first = kv_fold(model, ids[:, :20], 8)
-    rest = kv_fold(
-        model, ids[:, 20:], 8, cache=first.cache, return_logits=True
-    )
+    rest = kv_fold(model, ids[:, 20:], 8, cache=first.cache, return_logits=True)
     assert rest.logits is not None and (rest.logits - full[:, 20:]).abs().max().item() <= 1e-10
     bos = torch.tensor([1])  # [bos, chunk 0, bos, chunk 1, ...] as one stream
     stream = torch.cat([torch.cat([bos[None], c], 1) for c in ids.split(20, 1)], 1)

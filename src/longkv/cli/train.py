@@ -204,20 +204,20 @@ def run_eval(args: argparse.Namespace, argv: list[str]) -> int:
     model = LongKVForCausalLM.from_pretrained(path).eval()
     recorded = load_run(str(recorded_path), [])
     own_data, own_cfg, _ = _settings(recorded)
-    vocab_size = model.config.vocab_size
+    tokenizer = load_tokenizer(path)  # the run's own, saved beside the weights
     changed = differences(
         run_settings(
-            model_config(recorded.get("model") or {}, vocab_size), own_cfg, asdict(own_data)
+            model_config(recorded.get("model") or {}, tokenizer), own_cfg, asdict(own_data)
         ),
-        run_settings(model_config(run.get("model") or {}, vocab_size), cfg, asdict(data)),
+        run_settings(model_config(run.get("model") or {}, tokenizer), cfg, asdict(data)),
     )
     if changed:
         raise ValueError(
             f"--config {args.config}: not the settings of the run in {out} ({describe(changed)}"
             f"; recorded -> given); evaluate it with its own: --config {recorded_path}"
         )
-    # the run's own tokenizer (saved beside the weights), data and batch size
-    held = pack_texts(load_tokenizer(path), split_texts(own_data)[1], own_data.seq_len)
+    # the run's own tokenizer, data and batch size
+    held = pack_texts(tokenizer, split_texts(own_data)[1], own_data.seq_len)
     loss = evaluate(model, held, args.batches, own_cfg.batch_size)
     print(f"held-out loss {loss:.4f} over {args.batches} batches of {own_cfg.batch_size}")
     return 0
