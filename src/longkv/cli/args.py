@@ -2,8 +2,7 @@
 
 Each field of a settings dataclass declared with `longkv.checks.setting` becomes one option:
 `--field-name`, typed by the field's annotation (a tuple takes one or more values, a bool is a
-`--name/--no-name` switch), with the field's default, choices and help (metadata "help" and
-"choices", see `setting`). The parser remembers
+`--name/--no-name` switch), with the field's default, choices and help. The parser remembers
 which dataclasses it was made from; `build_settings` builds them from the parsed options, so a
 bad value is refused before a command starts, and a `SettingError` about a field is reported
 under the option it came from.
@@ -118,9 +117,8 @@ def settings_from_args(cls: type[S], args: argparse.Namespace) -> S:
 def build_settings(args: argparse.Namespace) -> None:
     """Build every settings class the chosen command declared into `args.settings` (class ->
     instance); a bad value raises SettingError."""
-    spec: Declared | None = getattr(args, DECLARED, None)
-    classes = spec.classes if spec is not None else []
-    args.settings = {cls: settings_from_args(cls, args) for cls in classes}
+    spec: Declared = getattr(args, DECLARED)
+    args.settings = {cls: settings_from_args(cls, args) for cls in spec.classes}
 
 
 def settings_from_section(cls: type[S], name: str, values: dict[str, Any]) -> S:
