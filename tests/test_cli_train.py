@@ -73,6 +73,19 @@ def test_overrides_and_bad_runs(capsys: pytest.CaptureFixture[str]) -> None:
     assert "data: unknown keys ['seqlen']" in err and "TrainConfig.parallel: must be" in err
 
 
+def test_training_without_a_corpus_says_which_setting_to_pass(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("LONGKV_CORPUS_DIR", raising=False)  # no training corpus is shipped
+    assert main(["train", "--config", str(CONFIG), f"out_dir={tmp_path}"]) == 2
+    assert main(["tokenizer", "train", "--out", str(tmp_path / "bpe")]) == 2
+    errors = capsys.readouterr().err.splitlines()
+    assert len(errors) == 2 and not any(tmp_path.iterdir())
+    for line in errors:
+        assert line.startswith("longkv: error: no training corpus")
+        assert "data.folder=PATH" in line and "LONGKV_CORPUS_DIR=PATH" in line
+
+
 def test_bench_train_measures_every_variant(tmp_path: Path) -> None:
     argv = [
         "bench", "train", "--contexts", "128", "--repeats", "1", "--vocab-size", "97",

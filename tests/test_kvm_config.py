@@ -8,7 +8,7 @@ import torch
 from longkv.kvm import KVMConfig, desired_state_len, kvm_attention
 
 LENGTHS = [1024, 2048, 4096, 8192, 16384, 32768, 131072]
-SPEC_TABLE = {  # ../shared/spec/kvm.md section 6, C = 256, N = 2
+SPEC_TABLE = {  # docs/kvm.md section 6, C = 256, N = 2
     "paper_fixed": [256, 256, 256, 256, 256, 256, 256],
     "paper_sqrt": [443, 677, 991, 1425, 2031, 2884, 5786],
     "paper_saturation": [438, 651, 808, 906, 962, 992, 1016],

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from longkv.data.corpus import BUNDLED_CORPUS
 from longkv.evals.niah import (
     _SPECS,
     ADJECTIVES,
@@ -26,10 +27,8 @@ from longkv.evals.niah import (
     sample_score,
     string_match_all,
 )
+from longkv.train.tokenizer import gpt2_tokenizer
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"  # /work/shared/data
-CORPUS = SHARED / "corpus"
-GPT2_DIR = SHARED / "tokenizers" / "gpt2"
 BUDGET = 128
 
 NIAH = [t for t in TASKS if t != "passkey"]
@@ -43,22 +42,16 @@ NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. The
 
 @pytest.fixture(scope="module")
 def tok() -> Any:
-    """GPT-2 BPE from the shared data (no network)."""
-    transformers = pytest.importorskip("transformers")
-    if not (GPT2_DIR / "vocab.json").is_file():
-        pytest.skip(f"GPT-2 tokenizer files not found in {GPT2_DIR}")
-    # transformers 5 ignores vocab_file=/merges_file= in the constructor (it builds an empty
-    # vocabulary); from_pretrained on the folder loads the real 50,257-token BPE.
-    tokenizer = transformers.GPT2TokenizerFast.from_pretrained(str(GPT2_DIR))
+    """The GPT-2 BPE shipped with longkv (no network)."""
+    tokenizer = gpt2_tokenizer()
     assert len(tokenizer) == 50257
     return tokenizer
 
 
 @pytest.fixture(scope="module")
 def corpus() -> Path:
-    if not CORPUS.is_dir():
-        pytest.skip(f"corpus not found at {CORPUS}")
-    return CORPUS
+    """The texts shipped with longkv: every essay file the haystacks read."""
+    return BUNDLED_CORPUS
 
 
 def sample(tok: Any, corpus: Path, task: str, length: int, depth: float, seed: int = 0, **kw):
@@ -416,11 +409,18 @@ def test_missing_corpus(tok: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert make_sample("niah_single_1", tok, 1024, 0.5, 0, corpus_dir=missing).answers
 
 
-def test_corpus_dir_default_and_env(
-    tok: Any, corpus: Path, monkeypatch: pytest.MonkeyPatch
+def test_corpus_dir_default_env_and_argument(
+    tok: Any, corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("LONGKV_CORPUS_DIR", raising=False)
-    default = make_sample("niah_single_2", tok, 1024, 0.5, 0)  # ../shared/data/corpus
+    default = make_sample("niah_single_2", tok, 1024, 0.5, 0)  # the shipped texts
     assert default == sample(tok, corpus, "niah_single_2", 1024, 0.5)
-    monkeypatch.setenv("LONGKV_CORPUS_DIR", str(corpus))
-    assert make_sample("niah_single_2", tok, 1024, 0.5, 0) == default
+    other = tmp_path / "other"  # another corpus with the same file names
+    for name in ESSAY_FILES:
+        (other / name).parent.mkdir(parents=True, exist_ok=True)
+        with gzip.open(other / name, "wt") as f:
+            f.write("The whale swam far away from the ship today.\n\n" * 100)
+    monkeypatch.setenv("LONGKV_CORPUS_DIR", str(other))
+    from_env = make_sample("niah_single_2", tok, 1024, 0.5, 0)
+    assert "The whale swam far away" in from_env.prompt and from_env != default
+    assert make_sample("niah_single_2", tok, 1024, 0.5, 0, corpus_dir=corpus) == default

@@ -7,16 +7,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import GPT2TokenizerFast, LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from longkv.evals.niah import make_sample
 from longkv.evals.runner import NiahSettings, accuracy_table, fold_mismatches, heatmap, run_niah
 from longkv.fold import StreamingRunner, stream
 from longkv.models.pretrained import load_pretrained
+from longkv.train.tokenizer import gpt2_tokenizer
 
-GPT2 = Path(__file__).resolve().parents[2] / "shared" / "data" / "tokenizers" / "gpt2"
 
-
+@pytest.mark.smollm2
 def test_runner_answers_saves_and_resumes(tmp_path: Path) -> None:
     model, tokenizer = load_pretrained()
     settings = NiahSettings(
@@ -66,7 +66,7 @@ def test_bad_settings_are_refused() -> None:
 def test_a_needle_outside_the_streaming_window_is_absent_from_its_cache(
     depth: float, inside: bool
 ) -> None:
-    tokenizer = GPT2TokenizerFast.from_pretrained(GPT2)
+    tokenizer = gpt2_tokenizer()
     torch.manual_seed(0)
     model = LlamaForCausalLM(
         LlamaConfig(

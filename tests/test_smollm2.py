@@ -3,17 +3,15 @@ generation from a folded cache equals generation from one full-context pass."""
 
 from __future__ import annotations
 
-import gzip
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
 
+from longkv.data.corpus import BUNDLED_CORPUS, read_text
 from longkv.fold import FoldRunner, fold_generate, greedy_decode, kv_fold
 from longkv.models.pretrained import load_pretrained
 
-CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "corpus"
+pytestmark = pytest.mark.smollm2
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +22,7 @@ def smollm2() -> tuple[torch.nn.Module, object]:
 @pytest.fixture(scope="module")
 def text_ids(smollm2: tuple[torch.nn.Module, object]) -> torch.Tensor:
     _, tokenizer = smollm2
-    with gzip.open(CORPUS / "mobydick.txt.gz", "rt") as f:
-        text = f.read(20_000)
+    text = read_text("mobydick.txt.gz", BUNDLED_CORPUS)[:20_000]
     ids = tokenizer(text, add_special_tokens=False)["input_ids"][:1024]  # type: ignore[operator]
     assert len(ids) == 1024
     return torch.tensor([ids])

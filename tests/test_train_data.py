@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from longkv.data.corpus import BUNDLED_CORPUS
 from longkv.train.data import (
     DataConfig,
     dataset_texts,
@@ -48,7 +49,7 @@ def test_held_out_documents_are_never_trained_on(tmp_path: Path) -> None:
     assert "number 4" not in tok.decode(text.train.flatten())
 
 
-def test_gpt2_tokenizer_is_the_shared_one() -> None:
+def test_gpt2_tokenizer_is_the_shipped_one() -> None:
     tok = gpt2_tokenizer()
     assert len(tok) == 50257 and tok.eos_token_id == 50256
     assert tok("Hello world")["input_ids"] == [15496, 995]
@@ -60,13 +61,13 @@ def test_gpt2_tokenizer_is_the_shared_one() -> None:
         load_tokenizer("/nonexistent")
 
 
-def test_the_shared_corpus_splits_by_document() -> None:
-    train, held = split_every(document_files())
+def test_the_full_corpus_splits_by_document(shared_corpus: Path) -> None:
+    train, held = split_every(document_files(shared_corpus))
     assert len(train) + len(held) == 283 and len(held) == 14
 
 
 def test_a_trained_bpe_round_trips_text_and_reloads(tmp_path: Path) -> None:
-    docs = document_files()[:2]  # two novels of the shared corpus
+    docs = document_files(BUNDLED_CORPUS)[:2]  # two novels of the shipped corpus
     tok = train_bpe(docs, 400, tmp_path / "bpe")
     assert len(tok) == 400 and tok.convert_ids_to_tokens(tok.eos_token_id) == "<|endoftext|>"
     text = "Call me Ishmael; ünïcode and 数字 too.\n"

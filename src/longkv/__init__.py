@@ -1,0 +1,8 @@
+"""longkv: long-context memory for transformers (KVM attention, KV-Fold, evaluations)."""
+
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("longkv")
+except PackageNotFoundError:  # the sources on sys.path without an installed distribution
+    __version__ = "0+unknown"

@@ -43,7 +43,7 @@ class ModelOptions:
         "model goes to --device)",
     )
     corpus_dir: str | None = setting(
-        None, "corpus folder (default: the corpus shipped with longkv, else $LONGKV_CORPUS_DIR)"
+        None, "corpus folder (default: $LONGKV_CORPUS_DIR, else the texts shipped with longkv)"
     )
     out_dir: str = setting(
         OUT_DIR, "folder for the result files; results/ holds the committed pages"

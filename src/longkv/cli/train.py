@@ -108,7 +108,7 @@ def _eval_parser(p: argparse.ArgumentParser) -> None:
 def _generate_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="a saved model folder, e.g. runs/x/model")
     p.add_argument(
-        "--tokenizer", default=None, help="default: the model folder's own, else the shared GPT-2"
+        "--tokenizer", default=None, help="default: the model folder's own, else the shipped GPT-2"
     )
     p.add_argument("--prompt", required=True, help="the text to continue")
     p.add_argument("--max-new-tokens", type=int, default=64, help="new tokens at most")
@@ -148,7 +148,7 @@ def _tokenizer_parser(p: argparse.ArgumentParser) -> None:
     t.add_argument(
         "--corpus-dir",
         default=None,
-        help="corpus folder (default: the corpus shipped with longkv, else $LONGKV_CORPUS_DIR)",
+        help="folder of training documents (default: $LONGKV_CORPUS_DIR)",
     )
     t.add_argument(
         "--every", type=int, default=20, help="every n-th document is held out, never seen"

@@ -1,1 +1,1 @@
-"""Data: the public-domain corpus in ../shared/data and helpers to read it."""
+"""Data: the texts and tokenizer shipped with longkv (bundled/), other corpus folders, reading."""

@@ -1,7 +1,10 @@
-"""The public-domain text corpus (../shared/data/corpus): where it is and how to read it.
+"""Text corpora: the texts shipped with longkv, or a folder of documents, and how to read them.
 
-The folder is, in order: the `corpus_dir` argument, $LONGKV_CORPUS_DIR, or `shared/data/corpus`
-beside the repository checkout.
+The package ships the texts its default commands read (`BUNDLED_CORPUS`: Austen's six novels and
+Moby-Dick, see bundled/README.md) and the GPT-2 tokenizer (`GPT2_DIR`). Reading a corpus file
+looks in the `path` argument (`corpus_dir=`, `--corpus-dir`), else in $LONGKV_CORPUS_DIR, else in
+the shipped folder. A training corpus (`training_corpus_dir`) is not shipped: it is the argument
+or $LONGKV_CORPUS_DIR.
 """
 
 from __future__ import annotations
@@ -13,22 +16,49 @@ from typing import Any
 
 CORPUS_ENV = "LONGKV_CORPUS_DIR"
 DEFAULT_TEXT = "mobydick.txt.gz"
+BUNDLED = Path(__file__).resolve().parent / "bundled"
+BUNDLED_CORPUS = BUNDLED / "corpus"
+GPT2_DIR = BUNDLED / "tokenizers" / "gpt2"
+
+
+def _configured(path: str | os.PathLike[str] | None) -> Path | None:
+    """The folder the caller or $LONGKV_CORPUS_DIR names; None when neither does."""
+    if path is not None:
+        return Path(path)
+    if os.environ.get(CORPUS_ENV):
+        return Path(os.environ[CORPUS_ENV])
+    return None
+
+
+def _existing(folder: Path) -> Path:
+    if not folder.is_dir():
+        raise FileNotFoundError(
+            f"corpus folder {folder} not found; pass the folder of text files (corpus_dir= or "
+            f"--corpus-dir) or set {CORPUS_ENV} to it"
+        )
+    return folder
 
 
 def corpus_dir(path: str | os.PathLike[str] | None = None) -> Path:
-    """The corpus folder; FileNotFoundError naming the path and the fix when it is missing."""
-    if path is not None:
-        folder = Path(path)
-    elif os.environ.get(CORPUS_ENV):
-        folder = Path(os.environ[CORPUS_ENV])
-    else:
-        folder = Path(__file__).resolve().parents[4] / "shared" / "data" / "corpus"
-    if not folder.is_dir():
+    """The folder to read corpus files from: path, else $LONGKV_CORPUS_DIR, else the shipped one.
+
+    FileNotFoundError naming the folder and the fix when it is missing.
+    """
+    return _existing(_configured(path) or BUNDLED_CORPUS)
+
+
+def training_corpus_dir(path: str | os.PathLike[str] | None = None) -> Path:
+    """The folder of training documents: path, else $LONGKV_CORPUS_DIR; nothing is shipped."""
+    folder = _configured(path)
+    if folder is None:
         raise FileNotFoundError(
-            f"corpus folder {folder} not found; pass its path (corpus_dir= or --corpus-dir) or "
-            f"set {CORPUS_ENV} to the folder holding shared/data/corpus"
+            "no training corpus: pass a folder of .txt / .txt.gz documents (longkv train: "
+            "data.folder=PATH; longkv tokenizer train: --corpus-dir PATH) or set "
+            f"{CORPUS_ENV}=PATH. longkv ships only the texts its evaluations read; the Data "
+            "section of the longkv README says which corpus the example runs used and where it "
+            "comes from"
         )
-    return folder
+    return _existing(folder)
 
 
 def read_document(path: Path) -> str:
@@ -43,8 +73,10 @@ def read_text(name: str, path: str | os.PathLike[str] | None = None) -> str:
     """The text of one corpus file, e.g. "mobydick.txt.gz" or "austen/emma.txt.gz"."""
     file = corpus_dir(path) / name
     if not file.is_file():
+        shipped = sorted(str(p.relative_to(BUNDLED_CORPUS)) for p in BUNDLED_CORPUS.rglob("*.gz"))
         raise FileNotFoundError(
-            f"corpus file {file} not found; see shared/data/README.md for the files it holds"
+            f"corpus file {file} not found; the shipped corpus holds {', '.join(shipped)}. "
+            f"For other files pass their folder (corpus_dir= or --corpus-dir) or set {CORPUS_ENV}"
         )
     return read_document(file)
 

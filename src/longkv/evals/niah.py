@@ -1,6 +1,6 @@
 """RULER-style needle-in-a-haystack samples (NVIDIA/RULER `niah`) and their scoring.
 
-Spec: shared/spec/evals.md section 1. `make_sample(task, tokenizer, context_len, depth, seed)`
+Spec: docs/evals.md section 1. `make_sample(task, tokenizer, context_len, depth, seed)`
 builds one prompt that the model continues; `string_match_all` scores the continuations.
 
 Tasks (RULER names; `passkey` is the Landmark-attention passkey test):
@@ -252,8 +252,8 @@ def make_sample(
 
     `tokenizer` is a Hugging Face tokenizer (called as `tokenizer(text,
     add_special_tokens=False)` and `tokenizer.decode(ids)`). `depth` in [0, 1] places the needle
-    of `answers[0]`; `corpus_dir` (essay tasks only) defaults to $LONGKV_CORPUS_DIR, else
-    ../shared/data/corpus next to the repository. See the module docstring for the method.
+    of `answers[0]`; `corpus_dir` (essay tasks only) defaults to $LONGKV_CORPUS_DIR, else the
+    texts shipped with longkv. See the module docstring for the method.
     """
     if task not in _SPECS:
         raise ValueError(f"unknown task {task!r}; expected one of {', '.join(TASKS)}")

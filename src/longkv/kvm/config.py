@@ -1,4 +1,4 @@
-"""KVM configuration and the state budget (spec ../shared/spec/kvm.md, sections 1 and 6)."""
+"""KVM configuration and the state budget (spec: docs/kvm.md, sections 1 and 6)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Key-Value Means attention, chunk-parallel (spec ../shared/spec/kvm.md).
+"""Key-Value Means attention, chunk-parallel (spec: docs/kvm.md).
 
 Queries of one chunk are computed together against [state slots ; block window]; the state is
 updated once per chunk that leaves the window, so the only Python loop runs over chunks.

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from longkv.checks import require, require_at_least
-from longkv.data.corpus import corpus_dir, read_document
+from longkv.data.corpus import read_document, training_corpus_dir
 
 Item = TypeVar("Item")
 DATASET_KEYS = ("path", "name", "split", "field")
@@ -29,10 +29,10 @@ DATASET_KEYS = ("path", "name", "split", "field")
 class DataConfig:
     """Where a run's text comes from and how it is cut.
 
-    folder: documents (default: the shared corpus); dataset: a Hugging Face dataset instead,
-    {"path": ..., "name": None, "split": "train", "field": "text"} as `datasets.load_dataset`
-    takes them (needs the `datasets` package and the hub or a local copy); tokenizer: a
-    tokenizer folder (default: the shared GPT-2 BPE).
+    folder: documents (default: $LONGKV_CORPUS_DIR; no training corpus is shipped); dataset: a
+    Hugging Face dataset instead, {"path": ..., "name": None, "split": "train", "field": "text"}
+    as `datasets.load_dataset` takes them (needs the `datasets` package and the hub or a local
+    copy); tokenizer: a tokenizer folder (default: the GPT-2 BPE shipped with longkv).
     """
 
     seq_len: int = 512
@@ -61,8 +61,8 @@ class DataConfig:
 
 
 def document_files(folder: str | Path | None = None) -> list[Path]:
-    """Every .txt and .txt.gz file under folder (default: the shared corpus), sorted."""
-    root = corpus_dir(folder)
+    """Every .txt and .txt.gz file under folder (default: $LONGKV_CORPUS_DIR), sorted."""
+    root = training_corpus_dir(folder)
     files = sorted(p for p in root.rglob("*") if p.name.endswith((".txt", ".txt.gz")))
     if not files:
         raise FileNotFoundError(f"no .txt or .txt.gz files under {root}")

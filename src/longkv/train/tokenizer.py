@@ -1,4 +1,4 @@
-"""Tokenizers for training: the shared GPT-2 BPE, or a byte-level BPE trained on a corpus.
+"""Tokenizers for training: the shipped GPT-2 BPE, or a byte-level BPE trained on a corpus.
 
 `train_bpe` learns GPT-2's kind of tokenizer (byte-level pre-tokenization with GPT-2's split
 pattern, so any text encodes and decodes losslessly) with <|endoftext|> as its only special
@@ -13,27 +13,27 @@ from typing import Any
 from tqdm import tqdm
 
 from longkv.checks import require
-from longkv.data.corpus import corpus_dir, read_document
+from longkv.data.corpus import GPT2_DIR, read_document
 
 EOS = "<|endoftext|>"
 
 
 def gpt2_tokenizer(path: str | Path | None = None) -> Any:
-    """The GPT-2 BPE from shared/data/tokenizers/gpt2 (or `path`), loaded offline."""
+    """The GPT-2 BPE shipped with longkv (or the one in `path`), loaded offline."""
     from transformers import GPT2TokenizerFast
 
-    folder = Path(path) if path is not None else corpus_dir().parent / "tokenizers" / "gpt2"
+    folder = Path(path) if path is not None else GPT2_DIR
     if not (folder / "vocab.json").is_file():
         raise FileNotFoundError(
             f"GPT-2 tokenizer files not found in {folder}; pass the folder holding vocab.json "
-            "and merges.txt (shared/data/tokenizers/gpt2)"
+            "and merges.txt"
         )
     return GPT2TokenizerFast.from_pretrained(folder)
 
 
 def load_tokenizer(path: str | Path | None = None) -> Any:
     """The tokenizer in a folder: one saved by save_pretrained (`longkv tokenizer train`, a
-    trained model's folder), GPT-2's vocab.json + merges.txt, or None for the shared GPT-2."""
+    trained model's folder), GPT-2's vocab.json + merges.txt, or None for the shipped GPT-2."""
     if path is None:
         return gpt2_tokenizer()
     folder = Path(path)
