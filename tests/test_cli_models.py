@@ -44,7 +44,7 @@ def test_niah_runs_a_saved_longkv_model(
     ]  # fmt: skip
     assert main(argv) == 2  # the default methods include streaming, refused before any answer
     err = capsys.readouterr().err  # after the weights' loading bar
-    assert "longkv: error: methods: streaming cannot run on this model" in err
+    assert "argument --methods: streaming cannot run on this model" in err
     assert "--methods full fold" in err and not (tmp_path / "n.json").exists()
     assert main([*argv, "--methods", "full", "fold"]) == 0
     report = json.loads((tmp_path / "n.json").read_text())
@@ -90,7 +90,7 @@ def test_generate_runs_any_causal_lm_as_what_it_is(
 @pytest.mark.parametrize(
     ("folder", "message"),
     [
-        ("/nonexistent", "model /nonexistent: no such folder, nor a hub model available here"),
+        ("/nonexistent", "model '/nonexistent': no such folder"),
         ("empty", "the folder holds no config.json"),
         ("unknown", "has model type `nope` but Transformers does not recognize this"),
         ("no-weights", "no file named model.safetensors"),

@@ -1,12 +1,36 @@
-"""One way to reject a bad setting: a ValueError that names the field and the fix."""
+"""Settings: fields that carry their help, and one way to reject a bad value.
+
+A settings dataclass declares each field with `setting(default, help)`; the command line makes
+its options from those fields (`longkv.cli.args`). A bad value is a `SettingError` naming the
+field as "Owner.name", so the command line can name the option it came from instead.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+
+class SettingError(ValueError):
+    """A bad setting: `field` ("Owner.name") and `message` (what is wrong and the fix)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field, self.message = field, message
+
+
+def setting(default: Any, help: str, *, choices: Sequence[Any] | None = None) -> Any:
+    """A dataclass field with its default, a help text and (optionally) its allowed values;
+    for a tuple field, `choices` are the allowed items."""
+    metadata = {"help": help, "choices": None if choices is None else tuple(choices)}
+    return dataclasses.field(default=default, metadata=metadata)
+
 
 def require(ok: bool, field: str, message: str) -> None:
-    """Raise ValueError(f"{field}: {message}") unless ok; field reads like "KVMConfig.chunk_len"."""
+    """Raise SettingError(field, message) unless ok; field reads like "KVMConfig.chunk_len"."""
     if not ok:
-        raise ValueError(f"{field}: {message}")
+        raise SettingError(field, message)
 
 
 def require_at_least(bound: float, owner: str, obj: object, *names: str) -> None:

@@ -1,7 +1,9 @@
 """Result files: what every one records (command, commit, machine), written atomically.
 
 A result is `<stem>.json` (the numbers and their provenance), `<stem>.md` (a page of tables
-that says what was run) and, where a picture helps, `<stem>.png`.
+that says what was run) and, where a picture helps, `<stem>.png`. Commands write them to OUT_DIR
+(untracked) unless told otherwise; results/ holds the committed pages, rewritten only when a
+command is given `--out-dir results`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+OUT_DIR = "out"  # where the commands write results by default
 
 
 def provenance(argv: list[str] | None) -> dict[str, Any]:

@@ -21,9 +21,9 @@ from tqdm import tqdm
 
 from longkv.attention import block_sliding_window_attention, full_attention
 from longkv.bench.memory import keep_freed_heap, peak_memory
-from longkv.checks import require_at_least
+from longkv.checks import require, require_at_least, setting
 from longkv.kvm import KVMConfig, kvm_attention
-from longkv.results import provenance, pyplot, save_figure, write_report
+from longkv.results import OUT_DIR, provenance, pyplot, save_figure, write_report
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 METHODS = ("kvm_fixed", "kvm_sqrt", "kvm_saturation", "bswa", "full")
@@ -34,28 +34,42 @@ Step = Callable[[Tensor, Tensor, Tensor, Any], tuple[Tensor, Any]]
 class BenchSettings:
     """What `longkv bench kvm` measures (defaults: issue 2's protocol)."""
 
-    lengths: tuple[int, ...] = (2048, 8192, 32768)
-    batch: int = 1
-    heads: int = 4
-    head_dim: int = 64
-    chunk_len: int = 256
-    window_chunks: int = 2
-    dtype: str = "fp32"
-    device: str = "cpu"
-    repeats: int = 5
-    decode_tokens: int | None = None  # None = chunk_len
-    methods: tuple[str, ...] = METHODS
-    seed: int = 0
-    keep_heap: bool = True  # CPU: glibc keeps freed memory, see memory.keep_freed_heap
-    out_dir: str = "results"
-    name: str = "bench_kvm"
+    lengths: tuple[int, ...] = setting((2048, 8192, 32768), "context lengths T")
+    batch: int = setting(1, "batch size B")
+    heads: int = setting(4, "attention heads H")
+    head_dim: int = setting(64, "head dimension D")
+    chunk_len: int = setting(256, "KVM and BSWA chunk length C")
+    window_chunks: int = setting(2, "chunks in the local window N")
+    dtype: str = setting("fp32", "dtype of q, k, v", choices=sorted(DTYPES))
+    device: str = setting("cpu", "torch device, e.g. cuda")
+    repeats: int = setting(5, "timed prefill calls (median)")
+    decode_tokens: int | None = setting(
+        None, "single-token decode calls timed (default: as many as the chunk length)"
+    )
+    methods: tuple[str, ...] = setting(METHODS, "methods measured", choices=METHODS)
+    seed: int = setting(0, "seed of the random q, k, v")
+    keep_heap: bool = setting(
+        True,
+        "keep freed memory in the process for reuse (glibc); without it glibc returns freed "
+        "memory to the OS and timings include page faults (see memory.keep_freed_heap)",
+    )
+    out_dir: str = setting(
+        OUT_DIR, "folder for the result files; results/ holds the committed pages"
+    )
+    name: str = setting("bench_kvm", "file name stem of the results")
 
     def __post_init__(self) -> None:
-        unknown = set(self.methods) - set(METHODS)
-        if unknown:
-            raise ValueError(f"methods: unknown {sorted(unknown)}; choose from {sorted(METHODS)}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype: must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        unknown = sorted(set(self.methods) - set(METHODS))
+        require(
+            not unknown,
+            "BenchSettings.methods",
+            f"unknown {unknown}; choose from {sorted(METHODS)}",
+        )
+        require(
+            self.dtype in DTYPES,
+            "BenchSettings.dtype",
+            f"must be one of {sorted(DTYPES)}, got {self.dtype!r}",
+        )
         require_at_least(1, "BenchSettings", self, "lengths", "repeats", "batch", "heads")
         require_at_least(4, "BenchSettings", self, "head_dim")
 

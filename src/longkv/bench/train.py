@@ -18,9 +18,9 @@ from torch import Tensor
 from tqdm import tqdm
 
 from longkv.bench.memory import keep_freed_heap
-from longkv.checks import require, require_at_least
+from longkv.checks import require, require_at_least, setting
 from longkv.models import LongKVConfig, LongKVForCausalLM
-from longkv.results import provenance, write_report
+from longkv.results import OUT_DIR, provenance, write_report
 
 VARIANTS: dict[str, dict[str, Any]] = {  # LongKVConfig.tiny overrides
     "kvm_fixed": dict(  # the preset's KVM layer with a fixed budget of 64 slots (one chunk)
@@ -36,14 +36,16 @@ VARIANTS: dict[str, dict[str, Any]] = {  # LongKVConfig.tiny overrides
 class TrainBenchSettings:
     """What `longkv bench train` measures."""
 
-    contexts: tuple[int, ...] = (2048, 8192)
-    variants: tuple[str, ...] = tuple(VARIANTS)
-    batch: int = 1
-    repeats: int = 3
-    vocab_size: int = 50257
-    seed: int = 0
-    out_dir: str = "results"
-    name: str = "bench_train"
+    contexts: tuple[int, ...] = setting((2048, 8192), "context lengths (tokens per row)")
+    variants: tuple[str, ...] = setting(tuple(VARIANTS), "mixers timed", choices=tuple(VARIANTS))
+    batch: int = setting(1, "rows per step")
+    repeats: int = setting(3, "timed rounds (median)")
+    vocab_size: int = setting(50257, "vocabulary of the random tokens and the model")
+    seed: int = setting(0, "seed of the random tokens")
+    out_dir: str = setting(
+        OUT_DIR, "folder for the result files; results/ holds the committed pages"
+    )
+    name: str = setting("bench_train", "file name stem of the results")
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.variants) - set(VARIANTS))
@@ -111,7 +113,7 @@ def run(s: TrainBenchSettings, argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def save(report: dict[str, Any], s: TrainBenchSettings) -> list[Path]:
-    """results/<name>.json and .md."""
+    """<out_dir>/<name>.json and .md."""
     lines = [
         f"- model: LongKVConfig.tiny (4 layers, d=256, 4 heads), batch {s.batch}, fp32, "
         f"a step is forward, backward, AdamW; median of {s.repeats} rounds, each timing one step "

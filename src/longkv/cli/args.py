@@ -1,13 +1,108 @@
-"""Turning parsed options into the settings dataclasses they describe."""
+"""Command-line options made from settings dataclasses, and the settings built back from them.
+
+Each field of a settings dataclass declared with `longkv.checks.setting` becomes one option:
+`--field-name`, typed by the field's annotation (a tuple takes one or more values, a bool is a
+`--name/--no-name` switch), with the field's default, choices and help. The parser remembers
+which dataclasses it was made from; `build_settings` builds them from the parsed options, so a
+bad value is refused before a command starts, and a `SettingError` about a field is reported
+under the option it came from.
+"""
 
 from __future__ import annotations
 
 import argparse
+import types
+import typing
 from collections.abc import Iterable
-from dataclasses import fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, TypeVar
 
+from longkv.checks import SettingError
+
 S = TypeVar("S")
+DECLARED = "declared"  # the Namespace attribute holding the chosen command's Declared
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every option's default once, after its help; none where the help already says it.
+
+    A None default means "not set" and a switch's default is its absence, so neither is shown;
+    an option with a None default says in its help what happens then.
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (
+            "default:" in text
+            or "%(default)" in text
+            or default is None
+            or default is argparse.SUPPRESS
+            or (action.nargs == 0 and default is False)
+        ):
+            return text
+        return f"{text} (default: {shown(default)})"
+
+
+def shown(value: Any) -> str:
+    """A default as it is typed on the command line (lists space-separated), %-escaped."""
+    text = " ".join(map(str, value)) if isinstance(value, list | tuple) else str(value)
+    return text.replace("%", "%%")
+
+
+@dataclass
+class Declared:
+    """What a command's parser was made from: its settings classes and the flag of each field."""
+
+    parser: argparse.ArgumentParser
+    classes: list[type] = field(default_factory=list)
+    flags: dict[str, str] = field(default_factory=dict)  # "Owner.field" -> "--field"
+
+    def explain(self, err: SettingError) -> str | None:
+        """The error as the command line reports it, naming the option; None if no option
+        of this command set the field."""
+        flag = self.flags.get(err.field)
+        if flag is None:
+            return None
+        return (
+            f"{self.parser.format_usage()}{self.parser.prog}: error: argument {flag}: {err.message}"
+        )
+
+
+def declared(parser: argparse.ArgumentParser) -> Declared:
+    """The parser's Declared, made on first use (and found in the parsed Namespace)."""
+    found = parser.get_default(DECLARED)
+    if found is None:
+        found = Declared(parser)
+        parser.set_defaults(**{DECLARED: found})
+    return found
+
+
+def add_settings(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One option per field of the settings dataclass cls (see the module docstring)."""
+    hints = typing.get_type_hints(cls)
+    spec = declared(parser)
+    for f in fields(cls):
+        owner = f"{cls.__name__}.{f.name}"
+        help_text = f.metadata.get("help")
+        if not help_text or f.default is MISSING:
+            raise TypeError(f"{owner}: declare it with longkv.checks.setting(default, help)")
+        flag = "--" + f.name.replace("_", "-")
+        kind, options = hints[f.name], dict(dest=f.name, default=f.default, help=help_text)
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **options)
+        else:
+            if typing.get_origin(kind) is tuple:
+                kind, options["nargs"] = typing.get_args(kind)[0], "+"
+            elif typing.get_origin(kind) in (typing.Union, types.UnionType):
+                kind = next(k for k in typing.get_args(kind) if k is not type(None))
+            choices = f.metadata.get("choices")
+            if choices is not None:  # listed once in the help, not in every usage line
+                options["help"] += f" (choices: {shown(choices)})"
+                options["metavar"] = f.name.upper()
+            parser.add_argument(flag, type=kind, choices=choices, **options)
+        spec.flags[owner] = flag
+    spec.classes.append(cls)
 
 
 def settings_from_args(cls: type[S], args: argparse.Namespace) -> S:
@@ -18,6 +113,13 @@ def settings_from_args(cls: type[S], args: argparse.Namespace) -> S:
             value = getattr(args, f.name)
             values[f.name] = tuple(value) if isinstance(value, list) else value
     return cls(**values)
+
+
+def build_settings(args: argparse.Namespace) -> None:
+    """Build every settings class the chosen command declared into `args.settings` (class ->
+    instance); a bad value raises SettingError."""
+    spec: Declared = getattr(args, DECLARED)
+    args.settings = {cls: settings_from_args(cls, args) for cls in spec.classes}
 
 
 def require_known_keys(name: str, values: dict[str, Any], known: Iterable[str]) -> None:

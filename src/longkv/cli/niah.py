@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from pathlib import Path
 
-from longkv.cli.args import settings_from_args
-from longkv.cli.fold import DTYPES, add_model_args, load
-from longkv.evals.niah import TASKS
+from longkv.checks import setting
+from longkv.cli.args import add_settings
+from longkv.cli.fold import DTYPES, ModelOptions, load
 from longkv.evals.runner import (
-    METHODS,
+    NiahRecord,
     NiahSettings,
     accuracy_table,
     fold_mismatches,
@@ -19,62 +20,73 @@ from longkv.evals.runner import (
 from longkv.results import provenance, provenance_lines, write_atomic
 
 
-def add_parser(commands: argparse._SubParsersAction) -> None:
-    """Register `niah`; its defaults are the short demonstration `make run` shows."""
-    d = NiahSettings()
-    p = commands.add_parser(
-        "niah",
-        help="needle in a haystack: full vs fold vs streaming; JSON, table and heatmap",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+@dataclass(frozen=True)
+class NiahOptions:
+    """`longkv niah`'s options beside the grid: the model's dtype and the results' name."""
+
+    dtype: str = setting("fp32", "weights and activations", choices=sorted(DTYPES))
+    name: str = setting("niah_demo", "file name stem of the results")
+
+
+def configure(name: str, parser: argparse.ArgumentParser) -> None:
+    """The options of `niah`; its defaults are the short demonstration `make run` shows."""
+    add_settings(parser, ModelOptions)
+    add_settings(parser, NiahOptions)
+    add_settings(parser, NiahSettings)
+    parser.set_defaults(func=run)
+
+
+def verdict(records: list[NiahRecord]) -> list[str]:
+    """Whether the fold answered as full attention did: one line, or none if not both ran."""
+    mismatches = fold_mismatches(records)
+    if mismatches is None:
+        return []
+    if not mismatches:
+        return ["The fold's answers equal full attention's on every sample."]
+    return [
+        f"The fold's answers differ from full attention's on {len(mismatches)} samples: "
+        f"{mismatches}"
+    ]
+
+
+def methods_line(s: NiahSettings) -> str:
+    """The methods that ran and their options, for the page."""
+    options = {
+        "full": "full attention",
+        "fold": f"KV-Fold in chunks of {s.chunk_size}",
+        "streaming": f"StreamingLLM with {s.sinks} sinks + {s.window} recent, chunk "
+        f"{s.stream_chunk}",
+    }
+    return (
+        "; ".join(options[m] for m in s.methods)
+        + f"; greedy, at most {s.max_new_tokens} new tokens; {s.samples} sample(s) per cell"
     )
-    add_model_args(p)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    p.add_argument("--tasks", nargs="+", choices=TASKS, default=list(d.tasks))
-    p.add_argument("--lengths", nargs="+", type=int, default=list(d.lengths))
-    p.add_argument("--depths", nargs="+", type=float, default=list(d.depths))
-    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(d.methods))
-    p.add_argument("--samples", type=int, default=d.samples, help="samples per cell")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--chunk-size", type=int, default=d.chunk_size, help="fold chunk")
-    p.add_argument("--sinks", type=int, default=d.sinks)
-    p.add_argument("--window", type=int, default=d.window)
-    p.add_argument("--stream-chunk", type=int, default=d.stream_chunk, help="1 = token by token")
-    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
-    p.add_argument("--name", default="niah_demo", help="result file stem")
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
-    settings = settings_from_args(NiahSettings, args)
-    model, tokenizer = load(args, DTYPES[args.dtype])
-    stem = Path(args.out_dir) / args.name
+    m, o = args.settings[ModelOptions], args.settings[NiahOptions]
+    settings = args.settings[NiahSettings]
+    model, tokenizer = load(m, DTYPES[o.dtype])
+    stem = Path(m.out_dir) / o.name
     prov = provenance(argv)
-    result = run_niah(model, tokenizer, settings, stem.with_suffix(".json"), prov, args.corpus_dir)
+    result = run_niah(model, tokenizer, settings, stem.with_suffix(".json"), prov, m.corpus_dir)
     table = accuracy_table(result)
-    mismatches = fold_mismatches(result.records)
-    verdict = (
-        "The fold's answers equal full attention's on every sample."
-        if not mismatches
-        else f"The fold's answers differ from full attention's on {len(mismatches)} samples: "
-        f"{mismatches}"
-    )
+    said = verdict(result.records)
     page = [
-        f"# longkv niah: {args.model}, {args.dtype}",
+        f"# longkv niah: {m.model}, {o.dtype}",
         "",
         *provenance_lines(prov),
-        f"- fold chunk {settings.chunk_size}; StreamingLLM {settings.sinks} sinks + "
-        f"{settings.window} recent, chunk {settings.stream_chunk}; greedy, at most "
-        f"{settings.max_new_tokens} new tokens; {settings.samples} sample(s) per cell",
+        f"- {methods_line(settings)}",
         "",
         "string_match_all (0-100) per task, method and context length, over depths "
         f"{list(settings.depths)}:",
         "",
         table,
-        verdict,
-        "",
+        *said,
+        *([""] if said else []),
         f"![heatmap]({stem.name}.png)",
     ]
-    print(table + verdict)
+    print("\n".join([table, *said]))
     write_atomic(stem.with_suffix(".md"), "\n".join(page) + "\n")
     heatmap(result, stem.with_suffix(".png"))
     print(f"wrote {stem}.json, {stem}.md, {stem}.png")

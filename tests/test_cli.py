@@ -1,0 +1,297 @@
+"""The `longkv` command line itself: help, options made from settings, errors, where results go.
+
+The model commands run on a tiny random Llama saved with the shared GPT-2 tokenizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import fields
+from pathlib import Path
+
+import huggingface_hub
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from longkv.bench.kvm import BenchSettings
+from longkv.bench.train import TrainBenchSettings
+from longkv.cli import fold as fold_cli
+from longkv.cli import niah as niah_cli
+from longkv.cli.args import build_settings
+from longkv.cli.main import COMMANDS, build_parser, main
+from longkv.evals import runner
+from longkv.evals.runner import NiahSettings
+from longkv.results import OUT_DIR
+from longkv.train.tokenizer import gpt2_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A folder with a 1-layer random Llama (512 positions) and the GPT-2 tokenizer."""
+    folder = tmp_path_factory.mktemp("tiny")
+    tokenizer = gpt2_tokenizer()
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture
+def answers(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The methods runner.answer was called with, in order (the calls still run)."""
+    calls: list[str] = []
+    answer = runner.answer
+
+    def counted(model, ids, method, s, eos):  # type: ignore[no-untyped-def]
+        calls.append(method)
+        return answer(model, ids, method, s, eos)
+
+    monkeypatch.setattr(runner, "answer", counted)
+    return calls
+
+
+def leaf_parsers(command: str) -> Iterator[tuple[str, argparse.ArgumentParser]]:
+    """(name, parser) of the command and of every subcommand under it."""
+    parser = build_parser(command)
+    todo = [(command, parser._subparsers._group_actions[0].choices[command])]  # type: ignore[union-attr]
+    while todo:
+        name, p = todo.pop()
+        subs = [a for a in p._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subs:
+            yield name, p
+        for sub in subs:
+            todo += [(f"{name} {n}", q) for n, q in sub.choices.items()]
+
+
+def test_top_level_help_lists_the_commands_without_importing_torch() -> None:
+    code = (
+        "import sys\n"
+        "from longkv.cli.main import main\n"
+        "try:\n    main(['--help'])\n"
+        "except SystemExit as e:\n    assert e.code == 0\n"
+        "heavy = [m for m in ('torch', 'transformers', 'longkv.cli.niah') if m in sys.modules]\n"
+        "print('imported:', heavy)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+    ).stdout
+    assert out.strip().endswith("imported: []"), out
+    assert all(name in out for name in COMMANDS)
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_option_has_help_and_shows_its_default_once(command: str) -> None:
+    for name, parser in leaf_parsers(command):
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            assert action.help, f"longkv {name} {action.option_strings or action.dest}: no help"
+            shown = formatter._expand_help(action)
+            assert shown.count("default") <= 1, f"longkv {name}: {shown!r}"
+            if action.default is not None and action.nargs != 0 and not action.required:
+                assert "default" in shown, f"longkv {name}: {shown!r} hides its default"
+        assert parser.format_help()
+
+
+@pytest.mark.parametrize(
+    ("argv", "classes"),
+    [
+        (["niah"], [fold_cli.ModelOptions, niah_cli.NiahOptions, NiahSettings]),
+        (["fold"], [fold_cli.ModelOptions, fold_cli.FoldOptions]),
+        (["drift"], [fold_cli.ModelOptions, fold_cli.DriftOptions]),
+        (["bench", "kvm"], [BenchSettings]),
+        (["bench", "train"], [TrainBenchSettings]),
+    ],
+)
+def test_options_are_made_from_the_settings_and_keep_their_defaults(
+    argv: list[str], classes: list[type]
+) -> None:
+    args = build_parser(argv[0]).parse_args(argv)
+    build_settings(args)
+    assert list(args.settings) == classes
+    leaf = dict(leaf_parsers(argv[0]))[" ".join(argv)]
+    actions = {s: a for a in leaf._actions for s in a.option_strings}
+    for cls in classes:
+        assert args.settings[cls] == cls()
+        for f in fields(cls):
+            action = actions["--" + f.name.replace("_", "-")]
+            assert action.dest == f.name and action.help.startswith(f.metadata["help"])
+            assert action.choices == f.metadata["choices"]
+
+
+def test_a_given_option_reaches_its_setting() -> None:
+    argv = ["bench", "kvm", "--lengths", "64", "128", "--no-keep-heap", "--decode-tokens", "3"]
+    args = build_parser("bench").parse_args(argv)
+    build_settings(args)
+    assert args.settings[BenchSettings] == BenchSettings(
+        lengths=(64, 128), keep_heap=False, decode_tokens=3
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["niah", "--window", "0"], "--window"),
+        (["niah", "--window", "100", "--stream-chunk", "200"], "--stream-chunk"),
+        (["niah", "--depths", "0.5", "2"], "--depths"),
+        (["fold", "--tokens", "0"], "--tokens"),
+        (["drift", "--chunk-sizes", "0"], "--chunk-sizes"),
+        (["bench", "kvm", "--head-dim", "2"], "--head-dim"),
+        (["bench", "train", "--repeats", "0"], "--repeats"),
+    ],
+)
+def test_a_bad_value_is_refused_naming_its_option(
+    argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"error: argument {flag}: " in err, err
+    assert "Settings" not in err and "Options" not in err  # no dataclass names
+
+
+def test_results_go_to_the_untracked_folder_by_default() -> None:
+    assert OUT_DIR != "results" and not (ROOT / OUT_DIR).resolve().is_relative_to(ROOT / "results")
+    assert f"{OUT_DIR}/" in (ROOT / ".gitignore").read_text().split()
+    defaults = []
+    for command in COMMANDS:
+        for name, parser in leaf_parsers(command):
+            for action in parser._actions:
+                if "--out-dir" in action.option_strings:
+                    defaults.append((name, action.default))
+    assert {name for name, _ in defaults} == {
+        "niah", "fold", "drift", "bench kvm", "bench train", "compare-runs"
+    }  # fmt: skip
+    assert all(default == OUT_DIR for _, default in defaults), defaults
+
+
+def test_a_missing_model_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    t0 = time.perf_counter()
+    assert main(["fold", "--model", "/nonexistent/model"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "longkv: error: model '/nonexistent/model': no such folder; pass a model folder, "
+        "a hub id or smollm2\n"
+    )
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    assert main(["niah", "--model", "longkv-tests/no-such-model"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("longkv: error: model 'longkv-tests/no-such-model': not a local")
+    assert err.count("\n") == 1
+    assert time.perf_counter() - t0 < 20  # no retries of an unreachable hub
+
+
+def test_a_model_folder_transformers_cannot_load_is_one_line(
+    tiny_model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "config.json").write_text((Path(tiny_model) / "config.json").read_text())
+    assert main(["fold", "--model", str(tmp_path)]) == 2  # a config, no weights
+    err = capsys.readouterr().err
+    assert err.startswith(f"longkv: error: model '{tmp_path}': ") and err.count("\n") == 1
+
+
+def test_niah_without_both_fold_and_full_claims_no_agreement(
+    tiny_model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [
+        "niah", "--model", tiny_model, "--tasks", "passkey", "--lengths", "300",
+        "--depths", "0.5", "--methods", "streaming", "--window", "60", "--stream-chunk", "16",
+        "--max-new-tokens", "2", "--out-dir", str(tmp_path), "--name", "n",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    page = (tmp_path / "n.md").read_text()
+    saved = json.loads((tmp_path / "n.json").read_text())
+    for text in (printed, page):
+        assert "full attention" not in text and "KV-Fold" not in text, text
+    assert "fold_equals_full" not in saved
+    assert "| passkey | streaming |" in page
+
+
+def test_niah_with_fold_and_full_says_whether_they_agree(
+    tiny_model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [
+        "niah", "--model", tiny_model, "--tasks", "passkey", "--lengths", "300",
+        "--depths", "0.5", "--methods", "full", "fold", "--chunk-size", "64",
+        "--max-new-tokens", "2", "--out-dir", str(tmp_path), "--name", "n", "--dtype", "fp64",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    claim = "The fold's answers equal full attention's on every sample."
+    assert claim in capsys.readouterr().out and claim in (tmp_path / "n.md").read_text()
+    assert json.loads((tmp_path / "n.json").read_text())["fold_equals_full"] is True
+
+
+@pytest.mark.parametrize(
+    ("extra", "flag"),
+    [
+        (["--lengths", "300", "1024"], "--lengths"),  # 1024 - 128 + 31 > 512 positions
+        (["--lengths", "300", "40"], "--lengths"),  # 40 tokens cannot hold the task's prompt
+        (["--methods", "streaming", "--window", "600"], "--window"),  # 4 + 600 > 512
+    ],
+)
+def test_niah_checks_the_whole_grid_before_answering(
+    tiny_model: str,
+    tmp_path: Path,
+    answers: list[str],
+    capsys: pytest.CaptureFixture[str],
+    extra: list[str],
+    flag: str,
+) -> None:
+    argv = [
+        "niah", "--model", tiny_model, "--tasks", "passkey", "--depths", "0.5",
+        "--window", "100", "--out-dir", str(tmp_path), *extra,
+    ]  # fmt: skip
+    assert main(argv) == 2
+    assert f"error: argument {flag}: " in capsys.readouterr().err
+    assert answers == [] and not list(tmp_path.iterdir())
+
+
+def test_fold_and_drift_check_positions_before_running(
+    tiny_model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = ["--model", tiny_model, "--out-dir", str(tmp_path)]
+    assert main(["fold", *base, "--tokens", "600"]) == 2
+    assert "error: argument --tokens: 600 tokens take 600 positions" in capsys.readouterr().err
+    argv = ["fold", *base, "--tokens", "100", "--methods", "streaming", "--window", "600"]
+    assert main(argv) == 2
+    assert "error: argument --window: " in capsys.readouterr().err
+    # 500 tokens fit, but a BOS before every 64-token chunk adds 8 positions
+    argv = ["drift", *base, "--tokens", "510", "--chunk-sizes", "64", "--prefixes", "bos"]
+    assert main(argv) == 2
+    assert "error: argument --tokens: 510 tokens and their prefixes take 518" in (
+        capsys.readouterr().err
+    )
+    assert not list(tmp_path.iterdir())
+
+
+def test_results_readme_names_each_page_with_its_command_and_commit() -> None:
+    readme = (ROOT / "results" / "README.md").read_text().splitlines()
+    pages = sorted(p for p in (ROOT / "results").glob("*.md") if p.name != "README.md")
+    assert pages
+    for page in pages:
+        head = page.read_text().splitlines()[:6]
+        command = next(line for line in head if line.startswith("- command: `longkv "))
+        commit = next(line for line in head if line.startswith("- commit: `"))
+        row = next((r for r in readme if r.startswith(f"| [{page.name}]")), None)
+        assert row is not None, f"results/README.md does not list {page.name}"
+        # the command that made the page, told to write here again
+        assert f"`{command.split('`')[1]} --out-dir results`" in row, row
+        assert f"`{commit.split('`')[1][:7]}" in row, row
