@@ -168,7 +168,9 @@ def test_bench_train_measures_every_variant(tmp_path: Path) -> None:
     }
 
 
-def test_compare_runs_scores_every_run_on_the_same_rows(tmp_path: Path) -> None:
+def test_compare_runs_scores_every_run_on_the_same_rows(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     for i in range(6):
@@ -198,7 +200,24 @@ def test_compare_runs_scores_every_run_on_the_same_rows(tmp_path: Path) -> None:
     assert "| full | full |" in page and "+0.00 % |" in page
     assert f"- kvm: `longkv train --config {configs[1]}` at commit " in page
     assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
-    other = yaml.safe_load(configs[1].read_text())
-    other["data"]["seq_len"] = 16
-    configs[1].write_text(yaml.safe_dump(other))
-    assert main(argv) == 2  # different data: different held-out rows
+    edited = yaml.safe_load(configs[1].read_text())
+    edited["train"]["batch_size"] = 4  # edited after training: not what scored the run
+    edited["data"]["seq_len"] = 16
+    configs[1].write_text(yaml.safe_dump(edited))
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"--configs {configs[1]}: not the settings of the run in {tmp_path / 'kvm'}" in err
+    assert "(data.seq_len: 32 -> 16; train.batch_size: 2 -> 4; recorded -> given)" in err
+    assert f"use the run's own: --configs {tmp_path / 'kvm' / 'run.yaml'}" in err
+    short = yaml.safe_load(configs[0].read_text())  # trained on other data
+    short["data"]["seq_len"], short["out_dir"] = 16, str(tmp_path / "short")
+    short["train"].update(steps=1, eval_every=1)
+    (tmp_path / "short.yaml").write_text(yaml.safe_dump(short))
+    assert main(["train", "--config", str(tmp_path / "short.yaml")]) == 0
+    assert main([*argv[:2], str(configs[0]), str(tmp_path / "short.yaml")]) == 2
+    assert "(short: data.seq_len: 32 -> 16; full -> that run)" in capsys.readouterr().err
+    (tmp_path / "short" / "run.yaml").unlink()  # as if unfinished
+    assert main([*argv[:2], str(configs[0]), str(tmp_path / "short.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert f"--configs {tmp_path / 'short.yaml'}: no finished run in {tmp_path / 'short'}" in err
+    assert len(err.splitlines()) == 1

@@ -226,19 +226,26 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
-def run_eval(args: argparse.Namespace, argv: list[str]) -> int:
-    run = load_run(args.config, args.overrides)
+def finished_run(
+    config: str, run: dict[str, Any], flag: str
+) -> tuple[DataConfig, TrainConfig, Path, Any]:
+    """The finished run in run's out_dir with the settings it recorded in RUN_FILE: its data,
+    train settings, out_dir and own tokenizer (saved beside the weights).
+
+    config: the run file run came from, and flag the CLI flag that named it (for the errors). A
+    run without RUN_FILE (unfinished), or one whose recorded settings (model, data, train;
+    out_dir aside) differ from run's, is refused naming each difference.
+    """
     data, cfg, out = _settings(run)
     path, recorded_path = out / "model", out / RUN_FILE  # written when `longkv train` finishes
     if not (path / "config.json").is_file() or not recorded_path.is_file():
         raise FileNotFoundError(
-            f"no finished run in {out} (its model/ and {RUN_FILE}); run `longkv train` with "
-            "this run"
+            f"{flag} {config}: no finished run in {out} (its model/ and {RUN_FILE}); finish "
+            f"`longkv train --config {config}` first"
         )
-    model = LongKVForCausalLM.from_pretrained(path).eval()
     recorded = load_run(str(recorded_path), [])
     own_data, own_cfg, _ = _settings(recorded)
-    tokenizer = load_tokenizer(path)  # the run's own, saved beside the weights
+    tokenizer = load_tokenizer(path)
     changed = differences(
         run_settings(
             model_config(recorded.get("model") or {}, tokenizer), own_cfg, asdict(own_data)
@@ -247,13 +254,20 @@ def run_eval(args: argparse.Namespace, argv: list[str]) -> int:
     )
     if changed:
         raise ValueError(
-            f"--config {args.config}: not the settings of the run in {out} ({describe(changed)}"
-            f"; recorded -> given); evaluate it with its own: --config {recorded_path}"
+            f"{flag} {config}: not the settings of the run in {out} ({describe(changed)}"
+            f"; recorded -> given); use the run's own: {flag} {recorded_path}"
         )
-    # the run's own tokenizer, data and batch size
-    held = pack_texts(tokenizer, split_texts(own_data)[1], own_data.seq_len)
-    loss = evaluate(model, held, args.batches, own_cfg.batch_size)
-    print(f"held-out loss {loss:.4f} over {args.batches} batches of {own_cfg.batch_size}")
+    return own_data, own_cfg, out, tokenizer
+
+
+def run_eval(args: argparse.Namespace, argv: list[str]) -> int:
+    data, cfg, out, tokenizer = finished_run(
+        args.config, load_run(args.config, args.overrides), "--config"
+    )
+    model = LongKVForCausalLM.from_pretrained(out / "model").eval()
+    held = pack_texts(tokenizer, split_texts(data)[1], data.seq_len)
+    loss = evaluate(model, held, args.batches, cfg.batch_size)
+    print(f"held-out loss {loss:.4f} over {args.batches} batches of {cfg.batch_size}")
     return 0
 
 
@@ -289,17 +303,24 @@ def run_tokenizer_train(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def run_compare(args: argparse.Namespace, argv: list[str]) -> int:
-    runs = [(Path(c).stem, *_settings(load_run(c, []))) for c in args.configs]
-    data, base_cfg = runs[0][1], runs[0][2]
-    if any(d != data for _, d, _, _ in runs):
+    # each run with its own recorded settings; the first run's own tokenizer packs the rows
+    runs = [(Path(c).stem, *finished_run(c, load_run(c, []), "--configs")) for c in args.configs]
+    base, data, base_cfg, _, tokenizer = runs[0]
+    differ = "; ".join(
+        f"{label}: {describe(changed)}"
+        for label, own, *_ in runs[1:]
+        if (changed := differences({"data": asdict(data)}, {"data": asdict(own)}))
+    )
+    if differ:
         raise ValueError(
-            "--configs: the runs' data sections differ, so their held-out rows would too; "
-            "compare runs trained on the same data"
+            f"--configs: the runs recorded different data sections, so their held-out rows "
+            f"would differ too ({differ}; {base} -> that run); compare runs trained on the "
+            "same data"
         )
-    held = pack_texts(load_tokenizer(data.tokenizer), split_texts(data)[1], data.seq_len)
+    held = pack_texts(tokenizer, split_texts(data)[1], data.seq_len)
     results = [
         score_run(label, out, cfg.batch_size, held, base_cfg.batch_size, args.batches)
-        for label, _, cfg, out in tqdm(runs, desc="score", unit="run")
+        for label, _, cfg, out, _ in tqdm(runs, desc="score", unit="run")
     ]
     stem = Path(args.out_dir) / args.name
     table = markdown_table(results)
@@ -318,7 +339,7 @@ def run_compare(args: argparse.Namespace, argv: list[str]) -> int:
     payload = {"provenance": provenance(argv), "runs": [asdict(r) for r in results]}
     print("\n".join(table))
     write_report(stem, "longkv compare-runs: " + ", ".join(args.configs), payload, body)
-    curves = {label: read_metrics(out / "metrics.csv") for label, _, _, out in runs}
+    curves = {label: read_metrics(out / "metrics.csv") for label, _, _, out, _ in runs}
     plot_runs(curves, stem.with_suffix(".png"), "loss curves: " + ", ".join(curves))
     print(f"wrote {stem}.json, {stem}.md, {stem}.png")
     return 0
