@@ -18,7 +18,7 @@ from pathlib import Path
 import huggingface_hub
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from longkv.bench.kvm import BenchSettings
 from longkv.bench.train import TrainBenchSettings
@@ -50,15 +50,30 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(folder)
 
 
+@pytest.fixture(scope="module")
+def tiny_gpt2(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A folder with a 1-layer random GPT-2 (512 learned positions) and its tokenizer."""
+    folder = tmp_path_factory.mktemp("tiny_gpt2")
+    tokenizer = gpt2_tokenizer()
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=len(tokenizer), n_embd=16, n_layer=1, n_head=2, n_positions=512,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    GPT2LMHeadModel(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
 @pytest.fixture
 def answers(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The methods runner.answer was called with, in order (the calls still run)."""
     calls: list[str] = []
     answer = runner.answer
 
-    def counted(model, ids, method, s, eos):  # type: ignore[no-untyped-def]
+    def counted(model, ids, method, s, eos, *rest):  # type: ignore[no-untyped-def]
         calls.append(method)
-        return answer(model, ids, method, s, eos)
+        return answer(model, ids, method, s, eos, *rest)
 
     monkeypatch.setattr(runner, "answer", counted)
     return calls
@@ -279,6 +294,66 @@ def test_fold_and_drift_check_positions_before_running(
     assert "error: argument --tokens: 510 tokens and their prefixes take 518" in (
         capsys.readouterr().err
     )
+    assert not list(tmp_path.iterdir())
+
+
+PAST = {  # each takes more than the tiny models' 512 positions
+    "fold": ["fold", "--tokens", "600", "--chunk-size", "256", "--dtype", "fp64"],
+    "drift": ["drift", "--tokens", "600", "--chunk-sizes", "256", "--dtypes", "fp64",
+              "--prefixes", "none"],
+    "niah": ["niah", "--tasks", "passkey", "--lengths", "700", "--depths", "0.5",
+             "--methods", "full", "fold", "--chunk-size", "256", "--max-new-tokens", "2",
+             "--dtype", "fp64"],
+}  # fmt: skip
+PAST_FLAG = {"fold": "--tokens", "drift": "--tokens", "niah": "--lengths"}
+
+
+@pytest.mark.parametrize("command", sorted(PAST))
+def test_a_rope_model_runs_past_its_positions_only_with_allow_extrapolation(
+    tiny_model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    argv = [*PAST[command], "--model", tiny_model, "--out-dir", str(tmp_path), "--name", "p"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"error: argument {PAST_FLAG[command]}: " in err, err
+    assert "never trained; pass --allow-extrapolation to run anyway" in err, err
+    assert not list(tmp_path.iterdir())
+    assert main([*argv, "--allow-extrapolation"]) == 0
+    saved = json.loads((tmp_path / "p.json").read_text())
+    if command == "fold":
+        runs = {r["method"]: r for r in saved["runs"]}
+        assert runs["fold"]["max_abs_nll_diff_vs_full"] <= 1e-10
+    elif command == "drift":
+        assert len(saved["runs"][0]["fold_nll"]) == 3  # 600 tokens in chunks of 256
+    else:
+        assert saved["fold_equals_full"] is True
+        assert {r["context_len"] for r in saved["records"]} == {700}
+
+
+def test_streaming_stays_within_the_positions_with_allow_extrapolation(
+    tiny_model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = ["--model", tiny_model, "--out-dir", str(tmp_path), "--allow-extrapolation"]
+    argv = ["fold", *base, "--tokens", "100", "--methods", "streaming", "--window", "600"]
+    assert main(argv) == 2
+    said = capsys.readouterr().err.split("error: argument ")[-1]  # after the usage lines
+    assert said.startswith("--window: ") and "extrapolation" not in said, said
+
+
+@pytest.mark.parametrize("command", sorted(PAST))
+@pytest.mark.parametrize("allow", [False, True])
+def test_a_model_with_learned_positions_never_runs_past_them(
+    tiny_gpt2: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    command: str,
+    allow: bool,
+) -> None:
+    argv = [*PAST[command], "--model", tiny_gpt2, "--out-dir", str(tmp_path)]
+    assert main(argv + ["--allow-extrapolation"] * allow) == 2
+    said = capsys.readouterr().err.split("error: argument ")[-1]  # after the usage lines
+    assert said.startswith(f"{PAST_FLAG[command]}: "), said
+    assert "positions are not rotary" in said and "extrapolation" not in said, said
     assert not list(tmp_path.iterdir())
 
 

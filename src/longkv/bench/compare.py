@@ -33,12 +33,22 @@ class MethodRun:
 
 
 def _runs(
-    model: nn.Module, ids: Tensor, chunk_size: int, sinks: int, window: int, stream_chunk: int
+    model: nn.Module,
+    ids: Tensor,
+    chunk_size: int,
+    sinks: int,
+    window: int,
+    stream_chunk: int,
+    allow_extrapolation: bool,
 ) -> dict[str, tuple[int, Callable[[], FoldResult]]]:
     T = ids.shape[1]
+
+    def fold(size: int, progress: bool) -> FoldResult:
+        return kv_fold(model, ids, size, allow_extrapolation=allow_extrapolation, progress=progress)
+
     return {
-        "full": (T, lambda: kv_fold(model, ids, T)),
-        "fold": (chunk_size, lambda: kv_fold(model, ids, chunk_size, progress=True)),
+        "full": (T, lambda: fold(T, False)),
+        "fold": (chunk_size, lambda: fold(chunk_size, True)),
         "streaming": (
             stream_chunk,
             lambda: streaming_llm(
@@ -58,13 +68,18 @@ def compare_methods(
     sinks: int = 4,
     window: int = 1020,
     stream_chunk: int = 64,
+    allow_extrapolation: bool = False,
 ) -> dict[str, Any]:
-    """Measure each method on input_ids (B, T); ratios against the full forward."""
+    """Measure each method on input_ids (B, T); ratios against the full forward.
+
+    allow_extrapolation: let full and fold run a RoPE model past its max_position_embeddings
+    (`kv_fold`); StreamingLLM's positions stay within sinks + window.
+    """
     if repeats < 1:
         raise ValueError(f"repeats: must be >= 1, got {repeats}")
     keep_freed_heap()
     load_weights(model)
-    runs = _runs(model, input_ids, chunk_size, sinks, window, stream_chunk)
+    runs = _runs(model, input_ids, chunk_size, sinks, window, stream_chunk, allow_extrapolation)
     results: dict[str, MethodRun] = {}
     full_nll: Tensor | None = None
     for method in ("full", *[m for m in methods if m != "full"]):

@@ -14,6 +14,7 @@ from longkv.checks import require, require_at_least, setting
 from longkv.cli.args import add_settings
 from longkv.data.corpus import DEFAULT_TEXT, text_tokens
 from longkv.fold.drift import drift_table, full_forward, measure_drift, plot_drift
+from longkv.fold.fold import CLI_SWITCH, position_refusal
 from longkv.fold.streaming import check_streamable
 from longkv.models.pretrained import DEFAULT_MODEL, load_pretrained
 from longkv.results import OUT_DIR, provenance, write_report
@@ -24,7 +25,6 @@ DTYPES = {
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
 }
-NOT_PAST = "the commands do not run a model past the positions it was trained on"
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,11 @@ class ModelOptions:
     )
     out_dir: str = setting(
         OUT_DIR, "folder for the result files; results/ holds the committed pages"
+    )
+    allow_extrapolation: bool = setting(
+        False,
+        "run a RoPE model past its max_position_embeddings, at positions it was never trained "
+        "on (a model with learned positions cannot run past them at all)",
     )
 
 
@@ -132,15 +137,15 @@ def input_device(model: torch.nn.Module) -> torch.device:
     return model.get_input_embeddings().weight.device
 
 
-def require_positions(model: torch.nn.Module, needed: int, field: str, what: str) -> None:
-    """SettingError on field unless `needed` positions fit the model's max_position_embeddings."""
-    limit = getattr(model.config, "max_position_embeddings", None)
-    require(
-        limit is None or needed <= limit,
-        field,
-        f"{what} take {needed} positions, more than the model's max_position_embeddings = "
-        f"{limit}; {NOT_PAST}",
+def require_positions(
+    model: torch.nn.Module, needed: int, field: str, what: str, allow_extrapolation: bool
+) -> None:
+    """SettingError on field unless the model can run `needed` positions: within its
+    max_position_embeddings, or past them for a RoPE model with --allow-extrapolation."""
+    refusal = position_refusal(
+        model, needed, allow_extrapolation=allow_extrapolation, switch=CLI_SWITCH
     )
+    require(refusal is None, field, f"{what} take {needed} positions, {refusal}")
 
 
 def _tokens(
@@ -153,16 +158,24 @@ def _tokens(
 def run_fold(args: argparse.Namespace, argv: list[str]) -> int:
     m, o = args.settings[ModelOptions], args.settings[FoldOptions]
     model, tokenizer = load(m, DTYPES[o.dtype])
-    require_positions(model, o.tokens, "FoldOptions.tokens", f"{o.tokens} tokens")
+    require_positions(
+        model, o.tokens, "FoldOptions.tokens", f"{o.tokens} tokens", m.allow_extrapolation
+    )
     if "streaming" in o.methods:
-        require_positions(
-            model, o.sinks + o.window, "FoldOptions.window", "StreamingLLM's sinks + window"
+        # StreamingLLM's cache positions stay below sinks + window: it never extrapolates
+        limit = getattr(model.config, "max_position_embeddings", None)
+        require(
+            limit is None or o.sinks + o.window <= limit,
+            "FoldOptions.window",
+            f"StreamingLLM's sinks + window = {o.sinks + o.window} cache positions exceed the "
+            f"model's max_position_embeddings = {limit}",
         )
         check_streamable(model, o.sinks, o.window)
     ids = _tokens(o, m, tokenizer, model)
     report = compare_methods(
         model, ids, o.chunk_size, methods=o.methods, repeats=o.repeats,
         sinks=o.sinks, window=o.window, stream_chunk=o.stream_chunk,
+        allow_extrapolation=m.allow_extrapolation,
     )  # fmt: skip
     report = {"provenance": provenance(argv), "settings": {**asdict(m), **asdict(o)}, **report}
     stem = Path(m.out_dir) / (o.name or f"fold_{o.tokens}")
@@ -186,19 +199,20 @@ def run_drift(args: argparse.Namespace, argv: list[str]) -> int:
     # a prefix takes one position before every chunk; the smallest chunk inserts the most
     inserted = -(-o.tokens // min(o.chunk_sizes)) if "bos" in o.prefixes else 0
     require_positions(
-        model, o.tokens + inserted, "DriftOptions.tokens", f"{o.tokens} tokens and their prefixes"
-    )
+        model, o.tokens + inserted, "DriftOptions.tokens", f"{o.tokens} tokens and their prefixes",
+        m.allow_extrapolation,
+    )  # fmt: skip
     ids = _tokens(o, m, tokenizer, model)
     prefixes = {"none": None, "bos": None if bos is None else torch.tensor([bos])}
     results = []
     for dtype in o.dtypes:
         model = model.to(DTYPES[dtype])
-        reference = full_forward(model, ids)
+        reference = full_forward(model, ids, m.allow_extrapolation)
         for size in o.chunk_sizes:
             for name in o.prefixes:
                 run = measure_drift(
                     model, ids, size, DTYPES[dtype], prefix_ids=prefixes[name], prefix_name=name,
-                    reference=reference, progress=True,
+                    reference=reference, allow_extrapolation=m.allow_extrapolation, progress=True,
                 )  # fmt: skip
                 results.append(run)
     stem = Path(m.out_dir) / (o.name or f"drift_{o.tokens}")

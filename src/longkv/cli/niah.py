@@ -69,7 +69,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     model, tokenizer = load(m, DTYPES[o.dtype])
     stem = Path(m.out_dir) / o.name
     prov = provenance(argv)
-    result = run_niah(model, tokenizer, settings, stem.with_suffix(".json"), prov, m.corpus_dir)
+    result = run_niah(
+        model, tokenizer, settings, stem.with_suffix(".json"), prov, m.corpus_dir,
+        m.allow_extrapolation,
+    )  # fmt: skip
     table = accuracy_table(result)
     said = verdict(result.records)
     page = [

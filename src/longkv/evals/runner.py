@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from longkv.checks import SettingError, require, require_at_least, setting
 from longkv.evals.niah import ANSWER_BUDGET, TASKS, NiahSample, make_sample, sample_score
-from longkv.fold.fold import check_foldable
+from longkv.fold.fold import CLI_SWITCH, check_foldable, position_refusal
 from longkv.fold.generate import fold_generate
 from longkv.fold.streaming import check_streamable, streaming_generate
 from longkv.results import pyplot, save_figure, write_atomic
@@ -124,14 +124,21 @@ class NiahRun:
 
 
 def answer(
-    model: nn.Module, ids: torch.Tensor, method: str, s: NiahSettings, eos: int | None
+    model: nn.Module,
+    ids: torch.Tensor,
+    method: str,
+    s: NiahSettings,
+    eos: int | None,
+    allow_extrapolation: bool = False,
 ) -> list[int]:
-    """Greedy answer tokens of one method to the prompt ids (1, T)."""
+    """Greedy answer tokens of one method to the prompt ids (1, T); allow_extrapolation lets
+    full and fold run a RoPE model past its max_position_embeddings (`fold_generate`)."""
     n = s.max_new_tokens
-    if method == "full":
-        out = fold_generate(model, ids, ids.shape[1], n, eos_token_id=eos)
-    elif method == "fold":
-        out = fold_generate(model, ids, s.chunk_size, n, eos_token_id=eos)
+    if method in ("full", "fold"):
+        size = ids.shape[1] if method == "full" else s.chunk_size
+        out = fold_generate(
+            model, ids, size, n, eos_token_id=eos, allow_extrapolation=allow_extrapolation
+        )
     else:
         out = streaming_generate(
             model, ids, n, sinks=s.sinks, window=s.window, chunk_size=s.stream_chunk,
@@ -148,11 +155,13 @@ def run_niah(
     path: Path,
     provenance: dict[str, Any] | None = None,
     corpus_dir: str | None = None,
+    allow_extrapolation: bool = False,
 ) -> NiahRun:
     """Answer every sample of the grid with every method; save after each answer.
 
     The whole grid is checked first (`check_grid`, then every prompt is built), so a setting
-    the model or a task cannot run fails before the first answer.
+    the model or a task cannot run fails before the first answer. allow_extrapolation lets
+    full attention and the fold run a RoPE model past its max_position_embeddings.
     """
     cells = [
         (task, n, d, s.seed + i)
@@ -167,7 +176,7 @@ def run_niah(
     run = NiahRun(settings=s, records=saved, provenance=provenance or {})
     done = {r.key for r in run.records}
     todo = {c: [m for m in s.methods if (*c, m) not in done] for c in cells}
-    check_grid(model, s)
+    check_grid(model, s, allow_extrapolation)
     samples = build_samples(tokenizer, [c for c in cells if todo[c]], corpus_dir)
     eos = getattr(tokenizer, "eos_token_id", None)
     progress = tqdm(total=len(cells) * len(s.methods) - len(done), desc="niah", unit="answer")
@@ -175,7 +184,7 @@ def run_niah(
         ids = torch.tensor([sample.input_ids], device=model.get_input_embeddings().weight.device)
         for method in todo[(task, n, d, seed)]:
             t0 = time.perf_counter()
-            tokens = answer(model, ids, method, s, eos)
+            tokens = answer(model, ids, method, s, eos, allow_extrapolation)
             prediction = tokenizer.decode(tokens, skip_special_tokens=True)
             run.records.append(
                 NiahRecord(
@@ -198,21 +207,27 @@ def run_niah(
     return run
 
 
-def check_grid(model: nn.Module, s: NiahSettings) -> None:
+def check_grid(model: nn.Module, s: NiahSettings, allow_extrapolation: bool = False) -> None:
     """SettingError (naming the setting to change) if the model cannot run the grid's methods
-    at its lengths; ValueError if it cannot run a method at all. Nothing is run."""
+    at its lengths; ValueError if it cannot run a method at all. Nothing is run.
+
+    Full attention and the fold run past max_position_embeddings only on a RoPE model with
+    allow_extrapolation (`position_refusal`); StreamingLLM's cache never does."""
     limit = getattr(model.config, "max_position_embeddings", None)
     if {"full", "fold"} & set(s.methods):
         # the prompt (length - ANSWER_BUDGET tokens), then all but the last answer token
         n = max(s.lengths)
         needed = n - ANSWER_BUDGET + s.max_new_tokens - 1
+        refusal = position_refusal(
+            model, needed, allow_extrapolation=allow_extrapolation, switch=CLI_SWITCH
+        )
         require(
-            limit is None or needed <= limit,
+            refusal is None,
             "NiahSettings.lengths",
             f"{n} takes {needed} positions under full attention and the fold (the prompt, then "
-            f"the answer), more than the model's max_position_embeddings = {limit}",
+            f"the answer), {refusal}",
         )
-        check_foldable(model, needed)
+        check_foldable(model, needed, allow_extrapolation=allow_extrapolation)
     if "streaming" in s.methods:
         require(
             limit is None or s.sinks + s.window <= limit,

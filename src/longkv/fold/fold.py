@@ -94,21 +94,43 @@ def check_foldable(model: nn.Module, T: int, *, allow_extrapolation: bool = Fals
             f"model: {type(model).__name__}.forward takes no `{compat.CACHE_ARG}` and "
             "`position_ids`; KV-Fold needs a model that uses the transformers cache API"
         )
-    limit = getattr(config, "max_position_embeddings", None)
-    if limit is None or T <= limit:
-        return
-    rotary = getattr(config, "rope_parameters", None) is not None
-    if not rotary or not allow_extrapolation:
-        why = (
-            "positions past it were never trained; pass allow_extrapolation=True to run anyway"
-            if rotary
-            else "its positions are not rotary (learned, or not known to extrapolate), so "
-            "positions past it do not exist"
-        )
+    refusal = position_refusal(model, T, allow_extrapolation=allow_extrapolation)
+    if refusal is not None:
         raise ValueError(
-            f"input_ids: {T} positions (input, inserted prefixes, tokens to generate) exceed "
-            f"the model's max_position_embeddings = {limit}; {why}"
+            f"input_ids: {T} positions (input, inserted prefixes, tokens to generate) are {refusal}"
         )
+
+
+# how the command line allows it: the --allow-extrapolation of longkv fold, drift and niah
+CLI_SWITCH = "pass --allow-extrapolation"
+
+
+def position_refusal(
+    model: nn.Module,
+    T: int,
+    *,
+    allow_extrapolation: bool = False,
+    switch: str = "pass allow_extrapolation=True",
+) -> str | None:
+    """Why the model cannot run T positions, or None if it can.
+
+    Past its max_position_embeddings only a rotary model (its config has `rope_parameters`)
+    runs, and only with allow_extrapolation; `switch` says how to allow it where the refusal
+    is read (the Python argument, or CLI_SWITCH).
+    """
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is None or T <= limit:
+        return None
+    rotary = getattr(model.config, "rope_parameters", None) is not None
+    if rotary and allow_extrapolation:
+        return None
+    why = (
+        f"positions past it were never trained; {switch} to run anyway"
+        if rotary
+        else "its positions are not rotary (learned, or not known to extrapolate), so "
+        "positions past it do not exist"
+    )
+    return f"more than the model's max_position_embeddings = {limit}; {why}"
 
 
 def check_input(input_ids: Tensor, chunk_size: int) -> None:
