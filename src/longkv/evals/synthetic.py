@@ -1,0 +1,240 @@
+"""Synthetic recall for small trained models: multi-query associative recall (MQAR) with a gap.
+
+A row is `num_pairs` key-value pairs, then `gap` filler tokens, then `num_queries` queries; a
+query is a key of an earlier pair followed by that pair's value, and only the value tokens of
+the queries are scored (docs/evals.md section 2). Everything is a pure function of the settings
+(`MQARConfig`, seed included): the same settings give the same batch.
+
+Layout of one row (value_len = L, pairs P, queries Q, gap G):
+
+    k_1 v_1 ... k_P v_P | f f ... f (G) | k_q1 v_q1 ... k_qQ v_qQ      (each v is L tokens)
+
+Vocabulary: with n = (vocab_size - filler_vocab) // 2, keys are ids [0, n), values [n, 2n) and
+filler [2n, 2n + filler_vocab); an odd leftover id is unused. Within a row the keys are
+distinct, and so is each value's first token, as in Zoology (values sampled without
+replacement); the queried keys are distinct pairs in random order.
+
+Targets follow `LongKVForCausalLM`'s loss, which shifts the labels inside: `labels[b, t]` is the
+token at position t itself (a value token of a query) and -100 elsewhere, so
+`model(input_ids, labels=labels).loss` is the mean cross entropy of exactly the answer tokens,
+each predicted from the logits at t - 1.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import pairwise
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from longkv.checks import require
+
+Filler = Literal["repeated", "random"]
+FILLERS: tuple[str, ...] = ("repeated", "random")
+PATTERN_LEN = 4  # the "repeated" filler cycles through the first PATTERN_LEN filler ids
+IGNORE = -100  # labels value of an unscored position (cross_entropy's ignore_index)
+
+
+@dataclass(frozen=True)
+class MQARConfig:
+    """Settings of an MQAR batch; `seq_len` follows from them exactly (see the module doc).
+
+    filler "repeated" cycles through min(PATTERN_LEN, filler_vocab) filler ids (little
+    novelty); "random" draws each filler token uniformly from the filler ids (novel
+    distractors, never a key or a value). value_len > 1 makes each value several tokens, all
+    scored.
+    """
+
+    num_pairs: int = 8
+    num_queries: int = 8
+    gap: int = 0
+    filler: Filler = "random"
+    value_len: int = 1
+    vocab_size: int = 64
+    filler_vocab: int = 16
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_pairs", "num_queries", "value_len", "filler_vocab"):
+            value = getattr(self, name)
+            require(
+                isinstance(value, int) and value >= 1,
+                f"MQARConfig.{name}",
+                f"must be an int >= 1, got {value!r}",
+            )
+        require(
+            self.num_queries <= self.num_pairs,
+            "MQARConfig.num_queries",
+            f"must be <= num_pairs = {self.num_pairs} (each query asks a distinct pair), got "
+            f"{self.num_queries}; lower num_queries or raise num_pairs",
+        )
+        require(
+            isinstance(self.gap, int) and self.gap >= 0,
+            "MQARConfig.gap",
+            f"must be an int >= 0, got {self.gap!r}",
+        )
+        require(
+            self.filler in FILLERS,
+            "MQARConfig.filler",
+            f"must be one of {FILLERS}, got {self.filler!r}",
+        )
+        need = 2 * self.num_pairs + self.filler_vocab
+        require(
+            isinstance(self.vocab_size, int) and self.vocab_size >= need,
+            "MQARConfig.vocab_size",
+            f"must be >= 2 * num_pairs + filler_vocab = {need} (distinct keys and values per "
+            f"row, disjoint from the filler ids), got {self.vocab_size!r}; raise vocab_size "
+            "or lower num_pairs or filler_vocab",
+        )
+        require(isinstance(self.seed, int), "MQARConfig.seed", f"must be an int, got {self.seed!r}")
+
+    @property
+    def key_vocab(self) -> int:
+        """n: keys are ids [0, n), values [n, 2n)."""
+        return (self.vocab_size - self.filler_vocab) // 2
+
+    @property
+    def filler_start(self) -> int:
+        """First filler id (2n); filler ids are [filler_start, filler_start + filler_vocab)."""
+        return 2 * self.key_vocab
+
+    @property
+    def pair_len(self) -> int:
+        """Tokens per pair or query: one key and value_len value tokens."""
+        return 1 + self.value_len
+
+    @property
+    def query_start(self) -> int:
+        """Position of the first query's key."""
+        return self.num_pairs * self.pair_len + self.gap
+
+    @property
+    def seq_len(self) -> int:
+        """T = (num_pairs + num_queries) * (1 + value_len) + gap."""
+        return self.query_start + self.num_queries * self.pair_len
+
+
+@dataclass(frozen=True)
+class MQARBatch:
+    """input_ids (B, T) long; labels (B, T) long: the token itself at scored positions, -100
+    elsewhere; scored (B, T) bool: labels != -100; distance (B, T) long: at a scored position,
+    the query key's position minus its pair's key position, 0 elsewhere; value_positions
+    (Q, L) long: the positions of query j's value tokens, the same in every row."""
+
+    input_ids: Tensor
+    labels: Tensor
+    scored: Tensor
+    distance: Tensor
+    value_positions: Tensor
+
+
+def _distinct(gen: torch.Generator, batch: int, n: int, k: int) -> Tensor:
+    """(batch, k) long: per row, k distinct ids of [0, n) in random order."""
+    return torch.rand(batch, n, generator=gen).argsort(dim=-1)[:, :k]
+
+
+def make_mqar(config: MQARConfig, batch_size: int) -> MQARBatch:
+    """A batch of `batch_size` MQAR rows drawn from `config.seed` (see the module doc)."""
+    require(
+        isinstance(batch_size, int) and batch_size >= 1,
+        "make_mqar.batch_size",
+        f"must be an int >= 1, got {batch_size!r}",
+    )
+    c, b = config, batch_size
+    gen = torch.Generator().manual_seed(c.seed)
+    p, q, n, lv = c.num_pairs, c.num_queries, c.key_vocab, c.value_len
+    keys = _distinct(gen, b, n, p)  # (B, P)
+    values = n + torch.stack([_distinct(gen, b, n, p) for _ in range(lv)], dim=-1)  # (B, P, L)
+    asked = _distinct(gen, b, p, q)  # (B, Q): which pair each query asks
+    if c.filler == "random":
+        filler = c.filler_start + torch.randint(c.filler_vocab, (b, c.gap), generator=gen)
+    else:
+        pattern = torch.arange(c.gap) % min(PATTERN_LEN, c.filler_vocab)
+        filler = (c.filler_start + pattern).expand(b, c.gap)
+    pairs = torch.cat([keys.unsqueeze(-1), values], dim=-1)  # (B, P, 1 + L)
+    queries = pairs.gather(1, asked.unsqueeze(-1).expand(b, q, c.pair_len))  # (B, Q, 1 + L)
+    input_ids = torch.cat([pairs.flatten(1), filler, queries.flatten(1)], dim=1)
+
+    query_keys = c.query_start + c.pair_len * torch.arange(q)  # (Q,)
+    value_positions = query_keys.unsqueeze(-1) + torch.arange(1, lv + 1)  # (Q, L)
+    flat = value_positions.flatten().expand(b, q * lv)
+    scored = torch.zeros(b, c.seq_len, dtype=torch.bool)
+    scored[:, value_positions.flatten()] = True
+    labels = torch.where(scored, input_ids, IGNORE)
+    query_distance = query_keys - c.pair_len * asked  # (B, Q)
+    distance = torch.zeros(b, c.seq_len, dtype=torch.long)
+    distance.scatter_(1, flat, query_distance.repeat_interleave(lv, dim=1))
+    return MQARBatch(input_ids, labels, scored, distance, value_positions)
+
+
+def predictions(logits: Tensor) -> Tensor:
+    """(B, T) long: the argmax token for each position t from logits (B, T, V) at t - 1, so it
+    lines up with input_ids and labels; position 0 has no prediction (-1)."""
+    pred = torch.full(logits.shape[:2], -1, dtype=torch.long, device=logits.device)
+    pred[:, 1:] = logits[:, :-1].argmax(dim=-1)
+    return pred
+
+
+def query_correct(logits_or_predictions: Tensor, batch: MQARBatch) -> Tensor:
+    """(B, Q) bool: a query is right only if every one of its value tokens is predicted right.
+
+    Takes logits (B, T, V) (predicted by `predictions`) or predictions (B, T) already aligned
+    with input_ids (predictions[b, t] is the guess for input_ids[b, t]).
+    """
+    x = logits_or_predictions
+    pred = predictions(x) if x.dim() == 3 else x
+    if pred.shape != batch.input_ids.shape:
+        raise ValueError(
+            f"predictions of shape {tuple(pred.shape)} do not match input_ids "
+            f"{tuple(batch.input_ids.shape)}; pass logits (B, T, V) or predictions (B, T)"
+        )
+    pos = batch.value_positions
+    ok = pred[:, pos] == batch.input_ids[:, pos].to(pred.device)  # (B, Q, L)
+    return ok.all(dim=-1)
+
+
+def query_distance(batch: MQARBatch) -> Tensor:
+    """(B, Q) long: each query's key-to-query distance."""
+    return batch.distance[:, batch.value_positions[:, 0]]
+
+
+def accuracy(logits_or_predictions: Tensor, batch: MQARBatch) -> float:
+    """Fraction of queries answered right (all value tokens), over the whole batch."""
+    return query_correct(logits_or_predictions, batch).float().mean().item()
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Queries with low <= distance < high: how many, and the fraction answered right (nan
+    when count is 0)."""
+
+    low: int
+    high: int
+    count: int
+    accuracy: float
+
+
+def accuracy_by_distance(
+    logits_or_predictions: Tensor, batch: MQARBatch, edges: Sequence[int]
+) -> list[Bucket]:
+    """Per-query accuracy in the buckets [edges[i], edges[i+1]) of key-to-query distance;
+    queries outside [edges[0], edges[-1]) are not counted."""
+    edges = list(edges)
+    if len(edges) < 2 or any(a >= b for a, b in pairwise(edges)):
+        raise ValueError(
+            f"edges must be at least two strictly increasing distances, got {edges}; "
+            "e.g. [0, 64, 256, 1024]"
+        )
+    right = query_correct(logits_or_predictions, batch).cpu()
+    dist = query_distance(batch).cpu()
+    out = []
+    for low, high in pairwise(edges):
+        inside = (dist >= low) & (dist < high)
+        count = int(inside.sum())
+        acc = right[inside].float().mean().item() if count else math.nan
+        out.append(Bucket(low, high, count, acc))
+    return out
