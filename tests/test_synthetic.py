@@ -225,3 +225,16 @@ def test_bad_scoring_inputs() -> None:
         accuracy(batch.input_ids[:, 1:], batch)
     with pytest.raises(SettingError, match="batch_size"):
         make_mqar(MQARConfig(), 0)
+
+
+def test_worked_example_in_docs() -> None:
+    c = MQARConfig(
+        num_pairs=3, num_queries=2, gap=6, filler="repeated", value_len=2, vocab_size=32,
+        filler_vocab=8,
+    )  # fmt: skip
+    b = make_mqar(c, 1)
+    assert b.input_ids[0].tolist() == [
+        2, 12, 23, 3, 18, 15, 4, 13, 22, 24, 25, 26, 27, 24, 25, 2, 12, 23, 4, 13, 22,
+    ]  # fmt: skip
+    assert b.scored[0].nonzero().flatten().tolist() == [16, 17, 19, 20]
+    assert query_distance(b)[0].tolist() == [15, 12]

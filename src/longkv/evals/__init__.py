@@ -1,1 +1,1 @@
-"""Evaluations: needle-in-a-haystack retrieval and scoring."""
+"""Evaluations: needle-in-a-haystack retrieval, synthetic recall (MQAR) and their scoring."""
