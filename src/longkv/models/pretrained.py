@@ -157,17 +157,17 @@ def causal_lm_config(path: str) -> PreTrainedConfig:
 
 
 def load_model(
-    name_or_path: str | None = None,
+    path: str,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     device_map: str | dict[str, object] | None = None,
 ) -> PreTrainedModel:
-    """The causal LM the folder or hub id holds, as what it is (AutoModelForCausalLM), in eval mode.
+    """The causal LM at `path` (as `resolve_model` returns it), as what it is
+    (AutoModelForCausalLM), in eval mode.
 
     device_map: spread the model over several devices through accelerate (e.g. "auto");
     then `device` is not used and inputs go to the embedding's device.
     """
-    path = resolve_model(name_or_path)
     config = causal_lm_config(path)
     placement: dict[str, object] = {} if device_map is None else {"device_map": device_map}
     try:
