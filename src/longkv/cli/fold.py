@@ -15,7 +15,7 @@ from longkv.cli.args import add_settings
 from longkv.data.corpus import DEFAULT_TEXT, text_tokens
 from longkv.fold.drift import drift_table, full_forward, measure_drift, plot_drift
 from longkv.fold.fold import CLI_SWITCH, position_refusal
-from longkv.fold.streaming import check_streamable
+from longkv.fold.streaming import check_streamable, window_refusal
 from longkv.models.pretrained import DEFAULT_MODEL, load_pretrained
 from longkv.results import OUT_DIR, provenance, write_report
 
@@ -162,14 +162,8 @@ def run_fold(args: argparse.Namespace, argv: list[str]) -> int:
         model, o.tokens, "FoldOptions.tokens", f"{o.tokens} tokens", m.allow_extrapolation
     )
     if "streaming" in o.methods:
-        # StreamingLLM's cache positions stay below sinks + window: it never extrapolates
-        limit = getattr(model.config, "max_position_embeddings", None)
-        require(
-            limit is None or o.sinks + o.window <= limit,
-            "FoldOptions.window",
-            f"StreamingLLM's sinks + window = {o.sinks + o.window} cache positions exceed the "
-            f"model's max_position_embeddings = {limit}",
-        )
+        refusal = window_refusal(model, o.sinks, o.window)
+        require(refusal is None, "FoldOptions.window", f"StreamingLLM's {refusal}")
         check_streamable(model, o.sinks, o.window)
     ids = _tokens(o, m, tokenizer, model)
     report = compare_methods(

@@ -24,7 +24,7 @@ from longkv.checks import SettingError, require, require_at_least, setting
 from longkv.evals.niah import ANSWER_BUDGET, TASKS, NiahSample, make_sample, sample_score
 from longkv.fold.fold import CLI_SWITCH, check_foldable, position_refusal
 from longkv.fold.generate import fold_generate
-from longkv.fold.streaming import check_streamable, streaming_generate
+from longkv.fold.streaming import check_streamable, streaming_generate, window_refusal
 from longkv.results import pyplot, save_figure, write_atomic
 
 METHODS = ("full", "fold", "streaming")
@@ -213,7 +213,6 @@ def check_grid(model: nn.Module, s: NiahSettings, allow_extrapolation: bool = Fa
 
     Full attention and the fold run past max_position_embeddings only on a RoPE model with
     allow_extrapolation (`position_refusal`); StreamingLLM's cache never does."""
-    limit = getattr(model.config, "max_position_embeddings", None)
     if {"full", "fold"} & set(s.methods):
         # the prompt (length - ANSWER_BUDGET tokens), then all but the last answer token
         n = max(s.lengths)
@@ -229,12 +228,8 @@ def check_grid(model: nn.Module, s: NiahSettings, allow_extrapolation: bool = Fa
         )
         check_foldable(model, needed, allow_extrapolation=allow_extrapolation)
     if "streaming" in s.methods:
-        require(
-            limit is None or s.sinks + s.window <= limit,
-            "NiahSettings.window",
-            f"StreamingLLM's sinks + window = {s.sinks + s.window} cache positions exceed the "
-            f"model's max_position_embeddings = {limit}",
-        )
+        refusal = window_refusal(model, s.sinks, s.window)
+        require(refusal is None, "NiahSettings.window", f"StreamingLLM's {refusal}")
         try:
             check_streamable(model, s.sinks, s.window)
         except ValueError as err:

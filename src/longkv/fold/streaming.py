@@ -27,6 +27,21 @@ from longkv.fold.generate import greedy_decode
 STATIC_ROPE = {"default", "linear", "llama3", "yarn"}
 
 
+def window_refusal(model: nn.Module, sinks: int, window: int) -> str | None:
+    """Why a cache of sinks + window entries does not fit the model's positions, or None.
+
+    StreamingLLM places its entries at positions 0 .. sinks + window - 1, never past them, so
+    this is the only position limit it has (it never extrapolates).
+    """
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is None or sinks + window <= limit:
+        return None
+    return (
+        f"sinks + window = {sinks + window} cache positions exceed the model's "
+        f"max_position_embeddings = {limit}"
+    )
+
+
 def check_streamable(model: nn.Module, sinks: int, window: int) -> Tensor:
     """Raise ValueError unless StreamingLLM can run on the model; return its RoPE inv_freq."""
     if not isinstance(sinks, int) or sinks < 0:
@@ -50,12 +65,9 @@ def check_streamable(model: nn.Module, sinks: int, window: int) -> Tensor:
             f"{type(model).__name__} has rope_type {rope_type!r} and "
             f"{'no' if inv_freq is None else 'an'} inv_freq (learned positions cannot be moved)"
         )
-    limit = getattr(config, "max_position_embeddings", None)
-    if limit is not None and sinks + window > limit:
-        raise ValueError(
-            f"window: sinks + window = {sinks + window} cache positions exceed the model's "
-            f"max_position_embeddings = {limit}; use a smaller window"
-        )
+    refusal = window_refusal(model, sinks, window)
+    if refusal is not None:
+        raise ValueError(f"window: {refusal}; use a smaller window")
     layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
     sliding = getattr(config, "sliding_window", None)
     if layer_types != {"full_attention"} or (sliding is not None and sinks + window > sliding):
