@@ -12,22 +12,17 @@ from longkv.cli.args import HelpFormatter, add_settings
 def configure(name: str, parser: argparse.ArgumentParser) -> None:
     """`bench` and its benchmarks, `bench kvm` and `bench train`."""
     benches = parser.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
-    kvm = benches.add_parser(
-        "kvm",
-        help="prefill/decode time and peak memory: KVM vs BSWA vs full attention",
-        description=bench_kvm.__doc__,
-        formatter_class=HelpFormatter,
-    )
-    add_settings(kvm, bench_kvm.BenchSettings)
-    kvm.set_defaults(func=_run_bench_kvm)
-    train = benches.add_parser(
-        "train",
-        help="training tokens/s of kvm fixed, kvm sqrt, bswa and full at each context",
-        description=bench_train.__doc__,
-        formatter_class=HelpFormatter,
-    )
-    add_settings(train, bench_train.TrainBenchSettings)
-    train.set_defaults(func=_run_bench_train)
+    for bench, module, settings, run, help_text in (
+        ("kvm", bench_kvm, bench_kvm.BenchSettings, _run_bench_kvm,
+         "prefill/decode time and peak memory: KVM vs BSWA vs full attention"),
+        ("train", bench_train, bench_train.TrainBenchSettings, _run_bench_train,
+         "training tokens/s of kvm fixed, kvm sqrt, bswa and full at each context"),
+    ):  # fmt: skip
+        sub = benches.add_parser(
+            bench, help=help_text, description=module.__doc__, formatter_class=HelpFormatter
+        )
+        add_settings(sub, settings)
+        sub.set_defaults(func=run)
 
 
 def _run_bench_kvm(args: argparse.Namespace, argv: list[str]) -> int:
