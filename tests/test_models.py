@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,8 +16,10 @@ from longkv.models import LongKVConfig, LongKVForCausalLM
 V, T = 53, 40
 
 
-def tiny(layout: list[str], budget: str = "sqrt", extras: bool = False) -> LongKVForCausalLM:
-    return tiny_longkv(layout, budget, extras, vocab_size=V)
+def tiny(
+    layout: list[str], budget: str = "sqrt", extras: bool = False, **overrides: Any
+) -> LongKVForCausalLM:
+    return tiny_longkv(layout, budget, extras, vocab_size=V, **overrides)
 
 
 CASES = {
@@ -88,6 +91,10 @@ def test_save_and_load_reproduce_the_logits(tmp_path: Path) -> None:
         ),
         (dict(n_kv_heads=3), r"AttentionConfig\.n_kv_heads: must divide"),
         (dict(kvm=dict(rope_dim=64)), r"KVMConfig\.rope_dim: 64 >= key head dim 64"),
+        (
+            dict(kvm_ablations=["no_state"]),
+            r"LongKVConfig\.kvm_ablations: unknown ablations \['no_state'\]",
+        ),
     ],
 )
 def test_bad_configs_fail_when_built(overrides: dict, match: str) -> None:  # type: ignore[type-arg]
@@ -102,6 +109,20 @@ def test_token_shift_and_value_residual_change_the_model() -> None:
     extras.load_state_dict(plain.state_dict(), strict=False)
     ids = torch.randint(0, V, (2, T))
     assert (run(extras, ids, [0, T]) - run(plain, ids, [0, T])).abs().max().item() > 1e-3
+
+
+def test_kvm_ablations_reach_every_kvm_layer_and_survive_saving(tmp_path: Path) -> None:
+    ablations = ["no_merge_gate", "no_head_temps", "no_sink"]
+    model = tiny(["kvm", "swa", "kvm"], kvm_ablations=ablations)
+    for block in (model.model.layers[0], model.model.layers[2]):
+        assert block.mixer.gate_proj is None and block.mixer.window_temp is None
+        assert block.mixer.kvm.sink_len == 0
+    plain = tiny(["kvm", "swa", "kvm"]).model.layers[0].mixer
+    assert plain.gate_proj is not None and plain.kvm.sink_len > 0
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert loaded.config.kvm_ablations == ablations
+    assert loaded.model.layers[0].mixer.gate_proj is None
 
 
 def test_presets_build() -> None:

@@ -10,6 +10,7 @@ from transformers import PreTrainedConfig
 from longkv.attention.layers import AttentionConfig
 from longkv.checks import require, require_at_least
 from longkv.kvm.config import KVMConfig
+from longkv.kvm.layer import ABLATIONS
 
 MIXERS = ("full", "swa", "bswa", "kvm")
 
@@ -18,7 +19,9 @@ class LongKVConfig(PreTrainedConfig):
     """Shape and mixers of a longkv language model (kvm.md section 8 backbone).
 
     layout: one mixer per layer from MIXERS, or None for `mixer` in every layer; kvm: KVMConfig
-    fields for the kvm layers; swa_window: tokens an swa layer sees; bswa_chunk_len and
+    fields for the kvm layers; kvm_ablations: the paper's KVM ablations switched on in every kvm
+    layer (any of ABLATIONS: no_vlens, no_sink, no_merge_gate, no_head_temps, no_append_gate;
+    see `KVMAttention.ablated`); swa_window: tokens an swa layer sees; bswa_chunk_len and
     bswa_window_chunks: the block window of bswa layers. Pre-LayerNorm blocks, qk LayerNorm,
     RoPE (the first kvm.rope_dim channels in kvm layers, `rope_dim` elsewhere, None = all),
     ReLU^2 MLP of mlp_ratio * d_model, untied output head. token_shift and value_residual: the
@@ -48,6 +51,7 @@ class LongKVConfig(PreTrainedConfig):
         mixer: str = "kvm",
         layout: list[str] | None = None,
         kvm: dict[str, Any] | None = None,
+        kvm_ablations: list[str] | None = None,
         swa_window: int = 256,
         bswa_chunk_len: int = 256,
         bswa_window_chunks: int = 2,
@@ -70,6 +74,7 @@ class LongKVConfig(PreTrainedConfig):
         self.mixer = mixer
         self.layout = list(layout) if layout is not None else None
         self.kvm = dict(kvm) if kvm is not None else {}
+        self.kvm_ablations = list(kvm_ablations) if kvm_ablations is not None else []
         self.swa_window = swa_window
         self.bswa_chunk_len = bswa_chunk_len
         self.bswa_window_chunks = bswa_window_chunks
@@ -108,6 +113,12 @@ class LongKVConfig(PreTrainedConfig):
             set(self.kvm) <= known,
             "LongKVConfig.kvm",
             f"unknown KVMConfig fields {sorted(set(self.kvm) - known)}; use {sorted(known)}",
+        )
+        unknown = sorted(set(self.kvm_ablations) - set(ABLATIONS))
+        require(
+            not unknown,
+            "LongKVConfig.kvm_ablations",
+            f"unknown ablations {unknown}; choose from {ABLATIONS}",
         )
         self.attention_config()  # validates the shell
         if "kvm" in self.mixers:

@@ -118,7 +118,8 @@ def build_mixer(config: LongKVConfig, kind: str, layer: int) -> AttentionLayer:
     """The token mixer of layer `layer`."""
     shell = config.attention_config(layer)
     if kind == "kvm":  # rotates the kvm.rope_dim channels its state zeroes
-        return KVMAttention(replace(shell, rope_dim=None), config.kvm_config())
+        shell = replace(shell, rope_dim=None)
+        return KVMAttention.ablated(shell, config.kvm_config(), *config.kvm_ablations)
     if kind == "full":
         return FullAttention(shell)
     if kind == "swa":
