@@ -121,10 +121,13 @@ def tiny_longkv(
     vocab_size: int = 53,
     **overrides: Any,
 ) -> LongKVForCausalLM:
-    """A float64 longkv LM, d_model 32, C = 4 (extras: token shift and value residual on)."""
+    """A float64 longkv LM, d_model 32, C = 4 (extras: token shift and value residual on);
+    grouped keys (2 KV heads) unless a layer is rwkv7, which needs one key head per head."""
+    kv_heads = 4 if "rwkv7" in layout else 2
     config = LongKVConfig(**{
         **dict(
-            vocab_size=vocab_size, d_model=32, n_layers=len(layout), n_heads=4, n_kv_heads=2,
+            vocab_size=vocab_size, d_model=32, n_layers=len(layout), n_heads=4,
+            n_kv_heads=kv_heads, rwkv_chunk_len=4,
             layout=layout, kvm={**TINY_KVM, **BUDGETS[budget]}, swa_window=6, bswa_chunk_len=4,
             bswa_window_chunks=2, token_shift=extras, value_residual=extras,
         ),

@@ -31,6 +31,9 @@ CASES = {
     "kvm-saturation": (["kvm", "kvm"], "saturation"),
     "hybrid": (["kvm", "swa", "kvm", "swa"], "saturation"),
     "hybrid-shift-vres": (["kvm", "swa", "kvm", "bswa"], "fixed", True),
+    "rwkv7": (["rwkv7", "rwkv7"], "sqrt"),
+    "hybrid-rwkv7": (["rwkv7", "kvm", "swa", "rwkv7"], "sqrt"),
+    "hybrid-rwkv7-shift-vres": (["kvm", "rwkv7", "full", "rwkv7"], "fixed", True),
 }
 
 

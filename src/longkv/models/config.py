@@ -11,8 +11,9 @@ from longkv.attention.layers import AttentionConfig
 from longkv.checks import require, require_at_least
 from longkv.kvm.config import KVMConfig
 from longkv.kvm.layer import ABLATIONS
+from longkv.rwkv.layer import RWKV7Config
 
-MIXERS = ("full", "swa", "bswa", "kvm")
+MIXERS = ("full", "swa", "bswa", "kvm", "rwkv7")
 
 
 class LongKVConfig(PreTrainedConfig):
@@ -22,7 +23,10 @@ class LongKVConfig(PreTrainedConfig):
     fields for the kvm layers; kvm_ablations: the paper's KVM ablations switched on in every kvm
     layer (any of ABLATIONS: no_vlens, no_sink, no_merge_gate, no_head_temps, no_append_gate;
     see `KVMAttention.ablated`); swa_window: tokens an swa layer sees; bswa_chunk_len and
-    bswa_window_chunks: the block window of bswa layers. Pre-LayerNorm blocks, qk LayerNorm,
+    bswa_window_chunks: the block window of bswa layers; rwkv_chunk_len: tokens per chunk of
+    the rwkv7 layers' recurrence (RWKV-7 time mixing with n_heads heads of head_dim channels;
+    it needs n_kv_heads == n_heads, always shifts tokens and mixes in the first layer's values
+    after the first layer). Pre-LayerNorm blocks, qk LayerNorm (attention layers),
     RoPE (the first kvm.rope_dim channels in kvm layers, `rope_dim` elsewhere, None = all),
     ReLU^2 MLP of mlp_ratio * d_model, untied output head. token_shift and value_residual: the
     optional shell features of AttentionConfig (value residual in every layer after the first).
@@ -55,6 +59,7 @@ class LongKVConfig(PreTrainedConfig):
         swa_window: int = 256,
         bswa_chunk_len: int = 256,
         bswa_window_chunks: int = 2,
+        rwkv_chunk_len: int = 16,
         rope_dim: int | None = None,
         rope_base: float = 10000.0,
         mlp_ratio: int = 4,
@@ -78,6 +83,7 @@ class LongKVConfig(PreTrainedConfig):
         self.swa_window = swa_window
         self.bswa_chunk_len = bswa_chunk_len
         self.bswa_window_chunks = bswa_window_chunks
+        self.rwkv_chunk_len = rwkv_chunk_len
         self.rope_dim = rope_dim
         self.rope_base = rope_base
         self.mlp_ratio = mlp_ratio
@@ -94,7 +100,7 @@ class LongKVConfig(PreTrainedConfig):
         """Raise ValueError naming the field and the fix for any inconsistent setting."""
         require_at_least(
             1, "LongKVConfig", self, "vocab_size", "n_layers", "mlp_ratio", "swa_window",
-            "bswa_chunk_len", "bswa_window_chunks",
+            "bswa_chunk_len", "bswa_window_chunks", "rwkv_chunk_len",
         )  # fmt: skip
         require(
             self.mixer in MIXERS,
@@ -123,6 +129,12 @@ class LongKVConfig(PreTrainedConfig):
         self.attention_config()  # validates the shell
         if "kvm" in self.mixers:
             self.kvm_config().check_head_dim(self.attention_config().dim)
+        require(
+            "rwkv7" not in self.mixers or self.n_kv_heads == self.n_heads,
+            "LongKVConfig.n_kv_heads",
+            f"rwkv7 layers have one key head per head: set it to n_heads = {self.n_heads} "
+            f"(or None), got {self.n_kv_heads}",
+        )
 
     @property
     def mixers(self) -> list[str]:
@@ -140,6 +152,16 @@ class LongKVConfig(PreTrainedConfig):
             rope_base=self.rope_base,
             token_shift=self.token_shift,
             value_residual=self.value_residual and layer > 0,
+        )
+
+    def rwkv7_config(self, layer: int = 0) -> RWKV7Config:
+        """The RWKV7Config of an rwkv7 layer `layer` (value residual after the first layer)."""
+        return RWKV7Config(
+            d_model=self.d_model,
+            n_heads=self.n_heads,
+            head_dim=self.attention_config().dim,
+            chunk_len=self.rwkv_chunk_len,
+            value_residual=layer > 0,
         )
 
     def kvm_config(self) -> KVMConfig:

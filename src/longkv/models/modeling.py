@@ -30,18 +30,21 @@ from longkv.attention.state import WindowCache
 from longkv.kvm.layer import KVMAttention
 from longkv.kvm.state import KVMState
 from longkv.models.config import LongKVConfig
+from longkv.rwkv.layer import RWKV7
+from longkv.rwkv.state import RWKV7State
 
 
 @dataclass
 class LayerCache:
     """What one layer carries between calls.
 
-    mixer: its token mixer's state (KVMState for kvm layers, WindowCache for the others; None
-    before the first token); last_input: its normalised input at the last token, (B, d_model),
-    for token shift (None in a model without it).
+    mixer: its token mixer's state (KVMState for kvm layers, RWKV7State for rwkv7 layers,
+    WindowCache for the others; None before the first token); last_input: its normalised input
+    at the last token, (B, d_model), for token shift (rwkv7 layers always; None in other layers
+    of a model without token shift).
     """
 
-    mixer: KVMState | WindowCache | None = None
+    mixer: KVMState | WindowCache | RWKV7State | None = None
     last_input: Tensor | None = None
 
     def select_rows(self, rows: Tensor) -> None:
@@ -114,8 +117,10 @@ class LongKVCache(Cache):
         return states[0].batch_size if states else -1
 
 
-def build_mixer(config: LongKVConfig, kind: str, layer: int) -> AttentionLayer:
+def build_mixer(config: LongKVConfig, kind: str, layer: int) -> AttentionLayer | RWKV7:
     """The token mixer of layer `layer`."""
+    if kind == "rwkv7":
+        return RWKV7(config.rwkv7_config(layer))
     shell = config.attention_config(layer)
     if kind == "kvm":  # rotates the kvm.rope_dim channels its state zeroes
         shell = replace(shell, rope_dim=None)
@@ -148,7 +153,7 @@ class Block(nn.Module):
         self.mixer = build_mixer(config, kind, layer)
         self.norm2 = nn.LayerNorm(config.d_model)
         self.mlp = MLP(config.d_model, config.mlp_ratio * config.d_model)
-        self.token_shift = config.token_shift
+        self.token_shift = config.token_shift or kind == "rwkv7"  # RWKV-7 always shifts
 
     def forward(
         self,

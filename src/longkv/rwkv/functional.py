@@ -1,0 +1,128 @@
+"""RWKV-7's generalised delta rule over chunks of C tokens (the recurrence of `naive.py`).
+
+Within a chunk, with a = -kappa and b = iclr * kappa, the update reads
+S_t = S_{t-1} D_t + u_t b_t^T + v_t k_t^T with u_t = S_{t-1} a_t and D_t = diag(w_t).
+Unrolled from the chunk's initial state S_0, with L_t the cumulative log decay inside the chunk
+(L_0 = 0) and E(i, s) = diag(exp(L_i - L_s)), the decay from just after token s to token i:
+
+    S_t = S_0 E(t, 0) + sum_{s <= t} (u_s b_s^T + v_s k_s^T) E(t, s)
+    u_t = S_0 E(t-1, 0) a_t + sum_{s < t} [b_s^T E(t-1, s) a_t] u_s + [k_s^T E(t-1, s) a_t] v_s
+    y_t = S_0 E(t, 0) r_t   + sum_{s <= t} [b_s^T E(t, s) r_t] u_s + [k_s^T E(t, s) r_t] v_s
+
+so the u's of a chunk solve one unit lower-triangular C x C system, and outputs and the
+chunk-end state are matmuls; only S_0 passes from chunk to chunk. Every decay factor is the
+exp of a difference of cumulative log decays (<= 0 for decays <= 1), never a ratio of
+cumulative products, which underflow. The pairwise factors cost O(C Dk) memory per token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def check_recurrence_inputs(
+    r: Tensor,
+    log_w: Tensor,
+    k: Tensor,
+    v: Tensor,
+    kappa: Tensor,
+    iclr: Tensor,
+    state: Tensor | None,
+) -> None:
+    """Raise ValueError naming the argument whose shape does not fit r (B, H, T, Dk)."""
+    if r.dim() != 4:
+        raise ValueError(f"r: expected (batch, heads, tokens, Dk), got {tuple(r.shape)}")
+    for name, t in (("log_w", log_w), ("k", k), ("kappa", kappa), ("iclr", iclr)):
+        if t.shape != r.shape:
+            raise ValueError(
+                f"{name}: expected the shape of r {tuple(r.shape)}, got {tuple(t.shape)}"
+            )
+    if v.dim() != 4 or v.shape[:3] != r.shape[:3]:
+        raise ValueError(f"v: expected {tuple(r.shape[:3])} + (Dv,), got {tuple(v.shape)}")
+    want = (*r.shape[:2], v.shape[-1], r.shape[-1])
+    if state is not None and state.shape != want:
+        raise ValueError(
+            f"state: expected S_0 (B, H, Dv, Dk) = {want}, got {tuple(state.shape)}; pass the "
+            "state returned for the same batch and heads"
+        )
+
+
+def rwkv7_recurrence(
+    r: Tensor,
+    log_w: Tensor,
+    k: Tensor,
+    v: Tensor,
+    kappa: Tensor,
+    iclr: Tensor,
+    state: Tensor | None = None,
+    chunk_len: int = 16,
+) -> tuple[Tensor, Tensor]:
+    """The RWKV-7 recurrence (see `rwkv7_recurrence_naive`) computed chunk by chunk.
+
+    r: receptance (the query), log_w: log decay (<= 0), k: replacement key k~, kappa: removal
+    key (unit norm per head), iclr: in-context learning rate, all (B, H, T, Dk); v: (B, H, T,
+    Dv); state: S_0 (B, H, Dv, Dk) or None (zeros). -> (y (B, H, T, Dv) in r's dtype, S_T
+    (B, H, Dv, Dk) in float32 at least). Runs in float32 at least, with autocast off (the
+    triangular solve has no half-precision kernels). Any T (a partial last chunk is padded
+    with tokens that leave the state as it is).
+    """
+    check_recurrence_inputs(r, log_w, k, v, kappa, iclr, state)
+    if chunk_len < 1:
+        raise ValueError(f"chunk_len: must be >= 1, got {chunk_len}")
+    B, H, T, Dk = r.shape
+    Dv, C = v.shape[-1], chunk_len
+    wide = torch.promote_types(r.dtype, torch.float32)
+    n = -(-T // C)
+    with torch.autocast(r.device.type, enabled=False):
+
+        def chunks(x: Tensor) -> Tensor:  # (B, H, T, D) -> (B, H, n, C, D), zero padded
+            x = F.pad(x.to(wide), (0, 0, 0, n * C - T))
+            return x.view(B, H, n, C, x.shape[-1])
+
+        # padding: decay 1 (log 0), no key, value, removal or query: the state stays put
+        r_, lw, k_, v_, kap, ic = map(chunks, (r, log_w, k, v, kappa, iclr))
+        a, b = -kap, kap * ic
+        L = lw.cumsum(dim=3)  # L_1 .. L_C
+        L0 = F.pad(L, (0, 0, 1, 0))  # L_0 .. L_C
+        i = torch.arange(C + 1, device=r.device)
+        later = i[:, None] >= i[None, 1:]  # (C + 1, C): row i (L_i), column s (L_s, s >= 1)
+        diff = (L0[..., :, None, :] - L[..., None, :, :]).masked_fill(
+            ~later[:, :, None], -torch.inf
+        )
+        E = diff.exp()  # (B, H, n, C + 1, C, Dk): E[i, s] = exp(L_i - L_s) for s <= i, else 0
+        E_in, E_ex = E[..., 1:, :, :], E[..., :-1, :, :]  # rows t: E(t, s), E(t - 1, s)
+        M_ab = torch.einsum("...td,...tsd,...sd->...ts", a, E_ex, b)
+        M_ak = torch.einsum("...td,...tsd,...sd->...ts", a, E_ex, k_)
+        M_rb = torch.einsum("...td,...tsd,...sd->...ts", r_, E_in, b)
+        M_rk = torch.einsum("...td,...tsd,...sd->...ts", r_, E_in, k_)
+        eye = torch.eye(C, dtype=wide, device=r.device)
+        # u = X_a S_0^T + U_v, with (I - M_ab) [X_a, U_v] = [a E(t-1, 0), M_ak v]
+        X_a, U_v = torch.linalg.solve_triangular(
+            eye - M_ab,
+            torch.cat([a * L0[..., :-1, :].exp(), M_ak @ v_], dim=-1),
+            upper=False,
+            unitriangular=True,
+        ).split([Dk, Dv], dim=-1)
+        Q = r_ * L.exp() + M_rb @ X_a  # y = Q S_0^T + Y_v
+        Y_v = M_rb @ U_v + M_rk @ v_
+        to_end = E[..., -1, :, :]  # E(C, s): (B, H, n, C, Dk)
+        b_end, k_end, decay = b * to_end, k_ * to_end, L[..., -1, :].exp()
+        S = r_.new_zeros(B, H, Dv, Dk) if state is None else state.to(wide)
+        ys = []
+        for c in range(n):
+            S_T = S.transpose(-1, -2)
+            ys.append(Q[:, :, c] @ S_T + Y_v[:, :, c])
+            u = X_a[:, :, c] @ S_T + U_v[:, :, c]
+            S = (
+                S * decay[:, :, c, None, :]
+                + u.transpose(-1, -2) @ b_end[:, :, c]
+                + v_[:, :, c].transpose(-1, -2) @ k_end[:, :, c]
+            )
+        y = (
+            torch.stack(ys, dim=2).view(B, H, n * C, Dv)[:, :, :T]
+            if n
+            else v.new_zeros(B, H, 0, Dv)
+        )
+    return y.to(r.dtype), S
