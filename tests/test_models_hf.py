@@ -199,7 +199,9 @@ ROWS = {"reorder": [2, 0, 0], "repeat": [0, 0, 1, 1, 2, 2]}
 
 
 @pytest.mark.parametrize("how", list(ROWS))
-@pytest.mark.parametrize("layout", [["kvm", "swa", "kvm", "bswa"], ["full", "kvm"]])
+@pytest.mark.parametrize(
+    "layout", [["kvm", "swa", "kvm", "bswa"], ["full", "kvm"], ["rwkv7", "kvm", "rwkv7"]]
+)
 def test_cache_rows_follow_reorder_and_repeat(how: str, layout: list[str]) -> None:
     model = tiny_longkv(layout, "sqrt", extras=True)
     ids = torch.randint(0, 53, (3, 40), generator=torch.Generator().manual_seed(5))
