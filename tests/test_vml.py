@@ -11,7 +11,7 @@ import torch
 from longkv.vml import VML_OPS, warm_up_vml
 
 
-@pytest.mark.parametrize("package", ["longkv.kvm", "longkv.models", "longkv.fold"])
+@pytest.mark.parametrize("package", ["longkv.kvm", "longkv.rwkv", "longkv.models", "longkv.fold"])
 def test_importing_a_computing_package_warms_up_vml(package: str) -> None:
     script = f"import {package}, longkv.vml; print(longkv.vml.warm_up_vml.cache_info().currsize)"
     out = subprocess.run(

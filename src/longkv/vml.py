@@ -10,8 +10,9 @@ e.g. the cos/sin of the RoPE tables. Calling each function once on a one-element
 thread) settles the choice before any threaded call: the warm-up proposed upstream (pytorch PR
 188791). oneMKL >= 2025.0 does not have the race, and builds without MKL skip the warm-up.
 
-`longkv.attention` and `longkv.fold` call `warm_up_vml()` when imported, so every package of
-longkv that computes (kvm, models, train, evals, bench build on them) is covered.
+`longkv.attention`, `longkv.rwkv` and `longkv.fold` call `warm_up_vml()` when imported, so
+every package of longkv that computes (kvm, models, train, evals, bench build on them) is
+covered.
 """
 
 from __future__ import annotations
