@@ -4,11 +4,13 @@ stays bounded and continues any segmentation, and bad input is refused."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from transformers import AutoModelForCausalLM
 
 from conftest import assert_close, tiny_longkv
 from longkv.models import LongKVConfig
@@ -170,3 +172,24 @@ def test_bad_shapes_are_refused() -> None:
 def test_bad_rwkv7_configs_fail_when_built(overrides: dict, match: str) -> None:  # type: ignore[type-arg]
     with pytest.raises(ValueError, match=match):
         LongKVConfig.tiny(**overrides)
+
+
+def test_save_and_load_reproduce_an_rwkv7_model(tmp_path: Path) -> None:
+    model = tiny_longkv(["rwkv7", "swa", "rwkv7"], vocab_size=V)
+    with torch.no_grad():
+        model.model.layers[2].mixer.r_k.normal_()  # the bonus on, off its init
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64).eval()
+    ids = torch.randint(0, V, (1, 13), generator=torch.Generator().manual_seed(10))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def test_the_recurrence_runs_in_float32_under_bf16_autocast() -> None:
+    args = [a.float() for a in inputs(1, 2, 21, 8, 8, seed=11)]
+    plain = rwkv7_recurrence(*args[:6], state=args[6])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = rwkv7_recurrence(*args[:6], state=args[6])
+    half = rwkv7_recurrence(*(a.bfloat16() for a in args[:6]), state=args[6].bfloat16())
+    assert torch.equal(autocast[0], plain[0]) and torch.equal(autocast[1], plain[1])
+    assert half[0].dtype == torch.bfloat16 and half[1].dtype == torch.float32
