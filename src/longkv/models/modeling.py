@@ -60,9 +60,9 @@ class LongKVCache(Cache):
 
     `generate` uses it like any cache: beam search reorders its rows (`reorder_cache`), and
     `batch_select_indices` / `batch_repeat_interleave` select or repeat them, for every tensor
-    of every KVM state and window cache. It cannot be cropped: a KVM state has merged the tokens
-    it summarises, so they cannot be taken back out (assisted decoding, which crops, does not
-    run). It is never compiled.
+    of every KVM state, RWKV-7 state and window cache. It cannot be cropped: a KVM state has
+    merged the tokens it summarises, so they cannot be taken back out (assisted decoding, which
+    crops, does not run). It is never compiled.
     """
 
     def __init__(self, num_layers: int) -> None:
