@@ -342,9 +342,10 @@ class StudyConfig:
         return asdict(section.eval)
 
     def as_dict(self) -> dict[str, Any]:
-        """The study as plain data (tuples as lists), for the report."""
-        out = asdict(self)
-        return {k: v for k, v in out.items() if v is not None}
+        """The study as the report records it (train without the seed each run sets)."""
+        out = {k: v for k, v in asdict(self).items() if v is not None}
+        del out["train"]["seed"]
+        return out
 
 
 def study_from_mapping(raw: Any) -> StudyConfig:
