@@ -14,8 +14,16 @@ from typing import Any
 import pytest
 import torch
 
-from longkv.models import LongKVConfig
-from longkv.train.loop import CHECKPOINT, TrainConfig, batch_rows, lr_factor, train
+from longkv.models import LongKVConfig, LongKVForCausalLM
+from longkv.train.loop import (
+    CHECKPOINT,
+    LabelledRows,
+    TrainConfig,
+    batch_rows,
+    evaluate,
+    lr_factor,
+    train,
+)
 
 HELPER = Path(__file__).parent / "helpers" / "ddp_train.py"
 CONFIG = LongKVConfig(
@@ -118,8 +126,9 @@ def test_two_torchrun_ranks_give_the_losses_of_one_process(tmp_path: Path, paral
 def test_the_progress_bar_shows_the_losses(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    metrics = train(CONFIG, CFG, ROWS, ROWS[:16], tmp_path)
+    metrics = train(CONFIG, CFG, ROWS, ROWS[:16], tmp_path, desc="kvm seed 1")
     bar = capsys.readouterr().err
+    assert bar.count("kvm seed 1: ") >= 6  # the caller's label on every update
     assert f"loss={metrics[0]['loss']:.4f}]" in bar  # before the first eval: the loss alone
     shown = f"loss={metrics[-1]['loss']:.4f}, eval_loss={metrics[-1]['eval_loss']:.4f}]"
     assert re.search(r"6/6 \[[^]]*" + re.escape(shown), bar)  # the finished bar
@@ -150,3 +159,24 @@ def test_tensorboard_gets_every_metric_across_a_resume(tmp_path: Path) -> None:
         expected = [(m["step"], m[key]) for m in metrics if key in m]
         assert [s for s, _ in logged] == [s for s, _ in expected]  # replayed steps once
         assert max(abs(a - b) for (_, a), (_, b) in zip(logged, expected, strict=True)) < 1e-6
+
+
+def test_labelled_rows_score_exactly_their_labelled_tokens(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = LongKVForCausalLM(CONFIG).eval()
+    labels = torch.full_like(ROWS[:8], -100)
+    labels[:, 5], labels[:3, 16] = 7, ROWS[:3, 16]  # 8 + 3 scored targets
+    loss = evaluate(model, LabelledRows(ROWS[:8], labels), 1, 8)
+    with torch.no_grad():
+        logp = model(ROWS[:8, :-1]).logits.log_softmax(-1)  # position t predicts t + 1
+    by_hand = -(logp[:, 4, 7].sum() + logp[torch.arange(3), 15, ROWS[:3, 16]].sum()) / 11
+    assert abs(loss - by_hand.item()) < 1e-6
+    plain = evaluate(model, ROWS[:8], 1, 8)  # token rows: every next token
+    every = -logp.gather(-1, ROWS[:8, 1:, None]).mean()
+    assert abs(plain - every.item()) < 1e-6
+    assert plain == evaluate(model, LabelledRows(ROWS[:8], ROWS[:8]), 1, 8)
+    rows = LabelledRows(ROWS, labels.repeat(8, 1))
+    first = train(CONFIG, replace(CFG, steps=1), rows, rows[:16], tmp_path)[0]["loss"]
+    torch.manual_seed(CFG.seed)  # the trainer's initial model
+    initial = LongKVForCausalLM(CONFIG)
+    assert abs(first - evaluate(initial, rows[batch_rows(0, 64, 8, CFG.seed)], 1, 8)) < 1e-6

@@ -1,4 +1,4 @@
-"""`longkv` entry point: niah, fold, drift, train, eval-loss, generate, bench and more.
+"""`longkv` entry point: niah, fold, drift, train, eval-loss, generate, study, bench and more.
 
 The top-level parser lists the commands from the table below without importing them; only the
 chosen command's module is imported (with torch and transformers), to build its options.
@@ -36,6 +36,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "finished runs side by side: held-out loss on the same rows, time, loss curves",
     ),
     "tokenizer": ("longkv.cli.train", "tokenizers for longkv runs: tokenizer train"),
+    "study": (
+        "longkv.cli.study",
+        "train a grid of model variants x seeds on the same rows, evaluate, report",
+    ),
 }
 
 

@@ -85,22 +85,32 @@ def load_run(path: str, overrides: list[str]) -> dict[str, Any]:
     return run
 
 
-def model_config(section: dict[str, Any], tokenizer: Any) -> LongKVConfig:
-    """LongKVConfig from a preset name and field overrides (LongKVConfig parameters), with the
-    tokenizer's vocabulary size and special tokens (so the saved generation_config stops at its
-    eos)."""
+def preset_model(section: dict[str, Any], **fixed: Any) -> LongKVConfig:
+    """LongKVConfig from a model section: a preset name (default tiny) and LongKVConfig field
+    overrides, over the fields `fixed` (which the section may override)."""
     require_known_keys("model", section, ["preset", *MODEL_FIELDS])
     fields = dict(section)
     preset = fields.pop("preset", "tiny")
     if preset not in PRESETS:
         raise ValueError(f"model.preset: unknown {preset!r}; choose from {sorted(PRESETS)}")
-    tokens = {
+    return PRESETS[preset](**{**fixed, **fields})
+
+
+def special_tokens(tokenizer: Any) -> dict[str, int | None]:
+    """The tokenizer's vocabulary size and special tokens as LongKVConfig fields (so the saved
+    generation_config stops at its eos)."""
+    return {
         "vocab_size": len(tokenizer),
         "bos_token_id": tokenizer.bos_token_id,
         "eos_token_id": tokenizer.eos_token_id,
         "pad_token_id": tokenizer.pad_token_id,
     }
-    return PRESETS[preset](**{**tokens, **fields})
+
+
+def model_config(section: dict[str, Any], tokenizer: Any) -> LongKVConfig:
+    """LongKVConfig from a preset name and field overrides (see preset_model), with the
+    tokenizer's vocabulary size and special tokens."""
+    return preset_model(section, **special_tokens(tokenizer))
 
 
 def configure(name: str, parser: argparse.ArgumentParser) -> None:

@@ -6,6 +6,8 @@ replays exactly the steps it would have taken. Under torchrun each rank takes it
 global batch; DistributedDataParallel averages the gradients, or FSDP (`fully_shard` per block)
 shards parameters, gradients and optimizer state. Each process uses the GPU of its LOCAL_RANK
 when CUDA is available (bf16 autocast unless amp=False), else the CPU in the model's dtype.
+Rows are token rows, scored on every next token, or `LabelledRows`, scored on their labelled
+tokens only (the answers of MQAR rows, say).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 from tqdm import tqdm
 
 from longkv.checks import require, require_at_least
+from longkv.evals.synthetic import IGNORE
 from longkv.models import LongKVConfig, LongKVForCausalLM
 from longkv.results import replaced_atomically
 
@@ -80,6 +83,40 @@ class TrainConfig:
             "TrainConfig.parallel",
             f"must be 'ddp' or 'fsdp', got {self.parallel!r}",
         )
+
+
+@dataclass(frozen=True)
+class LabelledRows:
+    """Training or held-out rows that score only some tokens.
+
+    ids (N, L + 1) long: the tokens; labels (N, L + 1) long: the target at each position, -100
+    where unscored (`longkv.evals.synthetic.IGNORE`). The loss of a row is the mean cross
+    entropy of labels[:, 1:] given ids[:, :-1] over the labelled positions; plain token rows
+    (a Tensor) are the case labels == ids. Indexing and `to` act on both tensors.
+    """
+
+    ids: Tensor
+    labels: Tensor
+
+    def __post_init__(self) -> None:
+        if self.ids.shape != self.labels.shape or self.ids.dim() != 2:
+            raise ValueError(
+                f"LabelledRows: ids {tuple(self.ids.shape)} and labels "
+                f"{tuple(self.labels.shape)} must both be (N, L + 1)"
+            )
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: Tensor | slice) -> LabelledRows:
+        return LabelledRows(self.ids[index], self.labels[index])
+
+    def to(self, device: torch.device | str) -> LabelledRows:
+        """Both tensors on device."""
+        return LabelledRows(self.ids.to(device), self.labels.to(device))
+
+
+Rows = Tensor | LabelledRows  # (N, L + 1) token rows, or rows with labels
 
 
 def world() -> tuple[int, int]:
@@ -253,15 +290,19 @@ def tensorboard_writer(out: Path, first_step: int) -> Any:
 def train(
     model_config: LongKVConfig,
     cfg: TrainConfig,
-    train_rows: Tensor,
-    held_out_rows: Tensor,
+    train_rows: Rows,
+    held_out_rows: Rows,
     out_dir: str | Path,
     *,
     data: Mapping[str, Any] | None = None,
     stop_after: int | None = None,
     dtype: torch.dtype = torch.float32,
+    desc: str = "train",
 ) -> list[dict[str, float]]:
     """Train (or resume, or extend) on rows (N, seq_len + 1) and return the metrics rows.
+
+    Rows are token rows, the loss on every next token, or LabelledRows, the loss on the
+    labelled tokens only (training and held-out alike). desc: the progress bar's label.
 
     A row per step: step, loss, lr (of that step's update), eval_loss (on eval steps) and
     seconds (wall time of the training steps so far, evaluations included, checkpoint writes
@@ -302,7 +343,7 @@ def train(
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
     saved = start  # the step the checkpoint holds (rank 0 writes it)
     bar = tqdm(
-        range(start, end), desc="train", unit="step", initial=start, total=end,
+        range(start, end), desc=desc, unit="step", initial=start, total=end,
         disable=rank != 0,
     )  # fmt: skip
     try:
@@ -361,10 +402,14 @@ def train(
     return metrics
 
 
-def _next_token_loss(net: nn.Module, rows: Tensor) -> Tensor:
-    """Cross entropy of rows[:, 1:] given rows[:, :-1]."""
-    logits = net(rows[:, :-1]).logits
-    return nn.functional.cross_entropy(logits.flatten(0, 1).float(), rows[:, 1:].flatten())
+def _next_token_loss(net: nn.Module, rows: Rows) -> Tensor:
+    """Cross entropy of rows[:, 1:] given rows[:, :-1] (token rows), or of labels[:, 1:] given
+    ids[:, :-1] over the labelled positions (LabelledRows)."""
+    ids, labels = (rows.ids, rows.labels) if isinstance(rows, LabelledRows) else (rows, rows)
+    logits = net(ids[:, :-1]).logits
+    return nn.functional.cross_entropy(
+        logits.flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE
+    )
 
 
 def _mean_over_ranks(value: Tensor, size: int) -> float:
@@ -376,8 +421,9 @@ def _mean_over_ranks(value: Tensor, size: int) -> float:
 
 
 @torch.no_grad()
-def evaluate(net: nn.Module, rows: Tensor, batches: int, batch_size: int) -> float:
-    """Mean next-token loss over the first `batches` full batches of held-out rows (N, L + 1).
+def evaluate(net: nn.Module, rows: Rows, batches: int, batch_size: int) -> float:
+    """Mean next-token loss over the first `batches` full batches of held-out rows (N, L + 1)
+    (the mean over batches of each batch's loss, as in training; see `_next_token_loss`).
 
     Under torchrun each rank scores its slice of every batch (as in training) and the ranks
     average, so the result does not depend on the number of processes.

@@ -1,0 +1,401 @@
+"""A study's settings: the YAML file `longkv study --config` reads (docs/study.md), checked
+when built.
+
+A study trains every variant (model settings over a shared model section) once per seed on the
+same rows, then evaluates each: MQAR accuracy on a grid of points (task "mqar") or held-out loss
+by position (task "lm"). Every bad value is a ValueError naming its key.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from longkv.checks import require, require_at_least
+from longkv.cli.args import require_known_keys, settings_from_section
+from longkv.cli.train import PRESETS, preset_model
+from longkv.evals.position_loss import check_edges, doubling_edges
+from longkv.evals.synthetic import FILLERS, MQARConfig
+from longkv.models import LongKVConfig
+from longkv.train.data import DataConfig
+from longkv.train.loop import MODEL_FIELDS, TrainConfig
+
+TASKS = ("mqar", "lm")
+SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # a folder name
+TRAIN, HELD_OUT, EVAL, SHUFFLE = range(4)  # the seed streams of the MQAR rows
+DISTANCE_EDGES = (0, 64, 256, 1024, 4096, 16384, 65536)
+
+
+def deep_merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    """base with over's entries; where both hold a mapping, those are merged the same way."""
+    out = dict(base)
+    for key, value in over.items():
+        both = isinstance(out.get(key), Mapping) and isinstance(value, Mapping)
+        out[key] = deep_merge(out[key], value) if both else value
+    return out
+
+
+def derived_seed(*parts: int) -> int:
+    """A seed in [0, 2**31) mixed from the integers parts (numpy's SeedSequence), so that
+    different parts give unrelated row streams."""
+    return int(np.random.SeedSequence(list(parts)).generate_state(1)[0] >> 1)
+
+
+def _tuples(obj: object, *names: str) -> None:
+    """Lists read from YAML become tuples (the dataclass is frozen and compared by value)."""
+    for name in names:
+        value = getattr(obj, name)
+        if isinstance(value, list):
+            object.__setattr__(obj, name, tuple(value))
+
+
+def _ints(name: str, values: tuple[Any, ...], low: int) -> None:
+    require(
+        isinstance(values, tuple)
+        and len(values) > 0
+        and all(isinstance(v, int) and v >= low for v in values),
+        name,
+        f"must be a non-empty list of ints >= {low}, got {values!r}",
+    )
+
+
+def _fillers(name: str, values: tuple[Any, ...]) -> None:
+    require(
+        isinstance(values, tuple) and len(values) > 0 and set(values) <= set(FILLERS),
+        name,
+        f"must be a non-empty list of {FILLERS}, got {values!r}",
+    )
+
+
+@dataclass(frozen=True)
+class MQARTrainData:
+    """The MQAR training rows: every combination of num_pairs x fillers x value_lens, with
+    rows / combinations rows each, all exactly seq_len tokens (gap = seq_len - 2 * num_pairs *
+    (1 + value_len), queries = num_pairs); held_out_rows likewise from other seeds. seed: the
+    data seed, the same rows for every variant and seed of the study."""
+
+    seq_len: int
+    num_pairs: tuple[int, ...]
+    fillers: tuple[str, ...] = ("random",)
+    value_lens: tuple[int, ...] = (1,)
+    rows: int = 4096
+    held_out_rows: int = 256
+    vocab_size: int = 8192
+    filler_vocab: int = 16
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _tuples(self, "num_pairs", "fillers", "value_lens")
+        _ints("mqar.train.num_pairs", self.num_pairs, 1)
+        _ints("mqar.train.value_lens", self.value_lens, 1)
+        _fillers("mqar.train.fillers", self.fillers)
+        require_at_least(1, "mqar.train", self, "seq_len", "rows", "held_out_rows")
+        n = len(self.num_pairs) * len(self.fillers) * len(self.value_lens)
+        for name in ("rows", "held_out_rows"):
+            require(
+                getattr(self, name) % n == 0,
+                f"mqar.train.{name}",
+                f"must be a multiple of the {n} (num_pairs, filler, value_len) combinations "
+                f"(equal rows each), got {getattr(self, name)}",
+            )
+        for p, length in itertools.product(self.num_pairs, self.value_lens):
+            need = 2 * p * (1 + length)
+            require(
+                need <= self.seq_len,
+                "mqar.train.seq_len",
+                f"{self.seq_len} cannot hold num_pairs={p} pairs and their queries of "
+                f"value_len={length} ({need} tokens); raise seq_len or drop the combination",
+            )
+        try:
+            self.configs(TRAIN)
+        except ValueError as err:
+            raise ValueError(f"mqar.train: {err}") from err
+
+    def configs(self, stream: int) -> list[MQARConfig]:
+        """One MQARConfig per combination, seeded for `stream` (TRAIN or HELD_OUT)."""
+        combinations = itertools.product(self.num_pairs, self.fillers, self.value_lens)
+        return [
+            MQARConfig(
+                num_pairs=p,
+                num_queries=p,
+                gap=self.seq_len - 2 * p * (1 + length),
+                filler=filler,
+                value_len=length,
+                vocab_size=self.vocab_size,
+                filler_vocab=self.filler_vocab,
+                seed=derived_seed(self.seed, stream, p, FILLERS.index(filler), length),
+            )
+            for p, filler, length in combinations
+        ]
+
+
+@dataclass(frozen=True)
+class MQAREval:
+    """The evaluation grid: a point per num_pairs x gaps x fillers x value_lens, each a batch
+    of `rows` rows (queries = num_pairs) in the training vocabulary, scored `batch_size` rows
+    per forward; distance_edges: the key-to-query distance buckets; max_len: points longer
+    than this are refused (None: no limit)."""
+
+    num_pairs: tuple[int, ...]
+    gaps: tuple[int, ...]
+    fillers: tuple[str, ...] = ("random",)
+    value_lens: tuple[int, ...] = (1,)
+    rows: int = 64
+    batch_size: int = 16
+    distance_edges: tuple[int, ...] = DISTANCE_EDGES
+    max_len: int | None = None
+
+    def __post_init__(self) -> None:
+        _tuples(self, "num_pairs", "gaps", "fillers", "value_lens", "distance_edges")
+        _ints("mqar.eval.num_pairs", self.num_pairs, 1)
+        _ints("mqar.eval.gaps", self.gaps, 0)
+        _ints("mqar.eval.value_lens", self.value_lens, 1)
+        _fillers("mqar.eval.fillers", self.fillers)
+        require_at_least(1, "mqar.eval", self, "rows", "batch_size")
+        edges = list(self.distance_edges)
+        require(
+            len(edges) >= 2 and all(a < b for a, b in itertools.pairwise(edges)),
+            "mqar.eval.distance_edges",
+            f"must be at least two strictly increasing distances, got {edges}",
+        )
+        require(
+            self.max_len is None or (isinstance(self.max_len, int) and self.max_len >= 1),
+            "mqar.eval.max_len",
+            f"must be None or an int >= 1, got {self.max_len!r}",
+        )
+
+    def points(self, data: MQARTrainData) -> list[MQARConfig]:
+        """One MQARConfig per grid point, in data's vocabulary, seeded by its own settings (a
+        point's rows do not depend on the rest of the grid)."""
+        out = []
+        for p, gap, filler, length in itertools.product(
+            self.num_pairs, self.gaps, self.fillers, self.value_lens
+        ):
+            seed = derived_seed(data.seed, EVAL, p, gap, FILLERS.index(filler), length)
+            try:
+                point = MQARConfig(
+                    num_pairs=p, num_queries=p, gap=gap, filler=filler, value_len=length,
+                    vocab_size=data.vocab_size, filler_vocab=data.filler_vocab, seed=seed,
+                )  # fmt: skip
+            except ValueError as err:
+                raise ValueError(f"mqar.eval: {err}") from err
+            require(
+                self.max_len is None or point.seq_len <= self.max_len,
+                "mqar.eval.max_len",
+                f"the point num_pairs={p}, gap={gap}, value_len={length} is {point.seq_len} "
+                f"tokens, over max_len={self.max_len}; drop it or raise max_len",
+            )
+            out.append(point)
+        return out
+
+
+@dataclass(frozen=True)
+class MQARStudy:
+    """Task "mqar": training rows and the evaluation grid."""
+
+    train: MQARTrainData
+    eval: MQAREval
+
+
+@dataclass(frozen=True)
+class LMEval:
+    """Held-out loss by position: `rows` held-out rows of `length` tokens (one forward each,
+    batch_size rows at a time); edges: position buckets (default 0, 1, 2, 4, ... length)."""
+
+    length: int
+    rows: int = 8
+    batch_size: int = 1
+    edges: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        _tuples(self, "edges")
+        require_at_least(1, "lm.eval", self, "length", "rows", "batch_size")
+        if self.edges is None:
+            object.__setattr__(self, "edges", tuple(doubling_edges(self.length)))
+        check_edges(self.edges, self.length, "lm.eval.edges")  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class LMStudy:
+    """Task "lm": training text exactly as `longkv train` reads it, and the held-out eval."""
+
+    data: DataConfig
+    eval: LMEval
+
+
+@dataclass(frozen=True)
+class StudyConfig:
+    """A grid of variants x seeds trained on the same rows and evaluated the same way.
+
+    model: the shared model section (a preset and LongKVConfig fields); variants: name ->
+    overrides deep-merged into model (see `model_config`); train: TrainConfig, its seed set
+    from each of `seeds`; mqar or lm: the task's section (the one `task` names).
+    """
+
+    name: str
+    task: str
+    seeds: tuple[int, ...]
+    model: dict[str, Any]
+    variants: dict[str, dict[str, Any]]
+    train: TrainConfig
+    mqar: MQARStudy | None = None
+    lm: LMStudy | None = None
+
+    def __post_init__(self) -> None:
+        _tuples(self, "seeds")
+        require(
+            isinstance(self.name, str) and SAFE_NAME.fullmatch(self.name) is not None,
+            "name",
+            f"must be a folder name (letters, digits, _ . -), got {self.name!r}",
+        )
+        require(self.task in TASKS, "task", f"must be one of {TASKS}, got {self.task!r}")
+        require(
+            getattr(self, self.task) is not None,
+            self.task,
+            f"task {self.task!r} needs a {self.task} section",
+        )
+        other = next(t for t in TASKS if t != self.task)
+        require(getattr(self, other) is None, other, f"not used by task {self.task!r}; remove it")
+        require(
+            isinstance(self.seeds, tuple)
+            and len(self.seeds) > 0
+            and all(isinstance(s, int) for s in self.seeds)
+            and len(set(self.seeds)) == len(self.seeds),
+            "seeds",
+            f"must be a non-empty list of distinct ints, got {self.seeds!r}",
+        )
+        require(
+            isinstance(self.variants, dict) and len(self.variants) > 0,
+            "variants",
+            f"must map at least one variant name to its model overrides, got {self.variants!r}",
+        )
+        require_known_keys("model", self.model, ["preset", *MODEL_FIELDS])
+        for name, overrides in self.variants.items():
+            require(
+                isinstance(name, str) and SAFE_NAME.fullmatch(name) is not None,
+                "variants",
+                f"a variant name must be a folder name (letters, digits, _ . -), got {name!r}",
+            )
+            require(
+                isinstance(overrides, dict),
+                f"variants.{name}",
+                f"must be a mapping of model keys to values ({{}} for the shared model), got "
+                f"{overrides!r}",
+            )
+            require_known_keys(f"variants.{name}", overrides, ["preset", *MODEL_FIELDS])
+            if self.task == "mqar":
+                for section in ("model", f"variants.{name}"):
+                    values = self.model if section == "model" else overrides
+                    require(
+                        "vocab_size" not in values,
+                        f"{section}.vocab_size",
+                        "set by mqar.train.vocab_size; remove it",
+                    )
+            self.model_config(name)  # every variant's model is valid
+        if self.mqar is not None:
+            self.mqar.eval.points(self.mqar.train)  # every point fits the vocabulary
+            require(
+                self.mqar.train.held_out_rows >= self.train.batch_size,
+                "mqar.train.held_out_rows",
+                f"must fill one batch of train.batch_size={self.train.batch_size}, got "
+                f"{self.mqar.train.held_out_rows}",
+            )
+
+    def model_config(self, variant: str, **tokens: Any) -> LongKVConfig:
+        """The variant's LongKVConfig: its overrides deep-merged into the shared model section,
+        a `kvm` mapping merged over the preset's kvm (so `kvm: {budget: fixed}` changes only
+        the budget), over `tokens` (an lm study's tokenizer fields; an mqar study's
+        vocab_size is mqar.train.vocab_size)."""
+        section = deep_merge(self.model, self.variants[variant])
+        if self.mqar is not None:
+            tokens = {"vocab_size": self.mqar.train.vocab_size, **tokens}
+        preset = section.get("preset", "tiny")
+        if "kvm" in section and preset in PRESETS and isinstance(section["kvm"], Mapping):
+            section["kvm"] = {**PRESETS[preset]().kvm, **section["kvm"]}
+        try:
+            return preset_model(section, **tokens)
+        except ValueError as err:
+            raise ValueError(f"variant {variant}: {err}") from err
+
+    def train_config(self, seed: int) -> TrainConfig:
+        """The train section with this run's seed."""
+        return replace(self.train, seed=seed)
+
+    def data_settings(self) -> dict[str, Any]:
+        """What makes the training rows (recorded in each checkpoint and eval.json)."""
+        if self.mqar is not None:
+            return {"task": "mqar", **asdict(self.mqar.train)}
+        assert self.lm is not None
+        return {"task": "lm", **asdict(self.lm.data)}
+
+    def eval_settings(self) -> dict[str, Any]:
+        """What the evaluation of a run is made of."""
+        section = self.mqar if self.mqar is not None else self.lm
+        assert section is not None
+        return asdict(section.eval)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The study as the report records it (train without the seed each run sets)."""
+        out = {k: v for k, v in asdict(self).items() if v is not None}
+        del out["train"]["seed"]
+        return out
+
+
+def study_from_mapping(raw: Any) -> StudyConfig:
+    """StudyConfig from the parsed YAML (see the module doc and docs/study.md)."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"study: must be a mapping of sections, got {raw!r}")
+    top = ["name", "task", "seeds", "model", "variants", "train", *TASKS]
+    require_known_keys("study", raw, top)
+    for key in ("name", "task", "seeds", "variants", "train"):
+        require(key in raw, key, "missing; see docs/study.md for a complete study")
+    for key in ("model", "variants", "train", *TASKS):
+        require(
+            isinstance(raw.get(key) or {}, dict),
+            key,
+            f"must be a mapping of keys to values, got {raw.get(key)!r}",
+        )
+    variants = raw["variants"] or {}  # a variant with no overrides may be left empty
+    variants = {k: {} if v is None else v for k, v in variants.items()}
+    train = dict(raw["train"] or {})
+    require("seed" not in train, "train.seed", "set from each of seeds; remove it")
+    sections: dict[str, Any] = {}
+    if raw.get("mqar") is not None:
+        mqar = raw["mqar"]
+        require_known_keys("mqar", mqar, ["train", "eval"])
+        for key in ("train", "eval"):
+            require(isinstance(mqar.get(key), dict), f"mqar.{key}", "needs a mapping")
+        sections["mqar"] = MQARStudy(
+            settings_from_section(MQARTrainData, "mqar.train", mqar["train"]),
+            settings_from_section(MQAREval, "mqar.eval", mqar["eval"]),
+        )
+    if raw.get("lm") is not None:
+        lm = raw["lm"]
+        require_known_keys("lm", lm, ["data", "eval"])
+        for key in ("data", "eval"):
+            require(isinstance(lm.get(key), dict), f"lm.{key}", "needs a mapping")
+        sections["lm"] = LMStudy(
+            settings_from_section(DataConfig, "lm.data", lm["data"]),
+            settings_from_section(LMEval, "lm.eval", lm["eval"]),
+        )
+    return StudyConfig(
+        name=raw["name"],
+        task=raw["task"],
+        seeds=raw["seeds"],
+        model=dict(raw.get("model") or {}),
+        variants=variants,
+        train=settings_from_section(TrainConfig, "train", train),
+        **sections,
+    )
+
+
+def load_study(path: str | Path) -> StudyConfig:
+    """The study in a YAML file."""
+    return study_from_mapping(yaml.safe_load(Path(path).read_text()))

@@ -1,0 +1,350 @@
+"""A study's result page: `<out_dir>/study_<name>.{json,md,png}` from its finished runs.
+
+The JSON holds the provenance, the study, every finished run's eval.json record and the mean
+over seeds per variant; the page has the tables (mean and per seed, state size, training
+time) and the PNG the plots (mqar: accuracy against pairs, gap and state size; lm: loss against
+position with the training length marked). Runs not finished with the current settings are
+listed as missing.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from statistics import fmean
+from typing import Any
+
+from longkv.results import provenance, pyplot, save_figure, write_report
+from longkv.study.config import StudyConfig
+from longkv.study.runner import StudyData, finished
+
+Record = dict[str, Any]
+
+
+def _mean(values: list[float | None]) -> float | None:
+    """Mean of the values that are numbers; None when there are none."""
+    present = [v for v in values if v is not None]
+    return fmean(present) if present else None
+
+
+def mean_over_seeds(records: list[Record]) -> Record:
+    """One variant's results averaged over its seeds' records (same evaluation settings)."""
+    out: Record = {
+        "seeds": [r["seed"] for r in records],
+        "train_seconds": fmean(r["train_seconds"] for r in records),
+    }
+    if "points" in records[0]:
+        out["points"] = [
+            _mean_point([r["points"][i] for r in records]) for i in range(len(records[0]["points"]))
+        ]
+    else:
+        out["mean_loss"] = fmean(r["mean_loss"] for r in records)
+        out["buckets"] = [
+            {
+                **{k: b[k] for k in ("low", "high")},
+                "loss": fmean(r["buckets"][j]["loss"] for r in records),
+            }
+            for j, b in enumerate(records[0]["buckets"])
+        ]
+    return out
+
+
+def _mean_point(seeds: list[Record]) -> Record:
+    """One MQAR point's results averaged over the seeds (empty buckets and missing slots
+    left out)."""
+    first = seeds[0]
+    buckets = [
+        {
+            **{k: b[k] for k in ("low", "high")},
+            "accuracy": _mean([s["by_distance"][j]["accuracy"] for s in seeds]),
+        }
+        for j, b in enumerate(first["by_distance"])
+    ]
+    return {
+        **{k: first[k] for k in ("num_pairs", "gap", "filler", "value_len", "seq_len")},
+        "accuracy": fmean(s["accuracy"] for s in seeds),
+        "state_slots": _mean([s["state_slots"] for s in seeds]),
+        "by_distance": buckets,
+    }
+
+
+def collect(data: StudyData, runs_dir: str | Path) -> tuple[dict[str, list[Record]], list[str]]:
+    """(finished records by variant in seed order, the runs missing as "variant seed k")."""
+    study = data.study
+    done: dict[str, list[Record]] = {}
+    missing = []
+    for variant in study.variants:
+        for seed in study.seeds:
+            record = finished(data, runs_dir, variant, seed)
+            if record is None:
+                missing.append(f"{variant} seed {seed}")
+            else:
+                done.setdefault(variant, []).append(record)
+    return done, missing
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None or math.isnan(x) else f"{100 * x:.1f}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *("| " + " | ".join(row) + " |" for row in rows),
+    ]
+
+
+def _point_label(p: Record) -> list[str]:
+    return [str(p[k]) for k in ("num_pairs", "gap", "filler", "value_len", "seq_len")]
+
+
+POINT_HEADER = ["pairs", "gap", "filler", "value_len", "tokens"]
+
+
+def mqar_tables(done: dict[str, list[Record]], means: dict[str, Record]) -> list[str]:
+    """Accuracy per point (mean, then per seed) and the kvm state sizes."""
+    variants = list(done)
+    points = next(iter(means.values()))["points"]
+    lines = [
+        "",
+        "## Accuracy (%, mean over seeds)",
+        "",
+        "A query is right when every value token is; accuracy is the fraction of right queries.",
+        "",
+        *_table(
+            POINT_HEADER + variants,
+            [
+                _point_label(p) + [_pct(means[v]["points"][i]["accuracy"]) for v in variants]
+                for i, p in enumerate(points)
+            ],
+        ),
+        "",
+        "## Accuracy per seed (%)",
+        "",
+    ]
+    runs = [(v, r) for v in variants for r in done[v]]
+    lines += _table(
+        POINT_HEADER + [f"{v} s{r['seed']}" for v, r in runs],
+        [
+            _point_label(p) + [_pct(r["points"][i]["accuracy"]) for _, r in runs]
+            for i, p in enumerate(points)
+        ],
+    )
+    kvm = [v for v in variants if means[v]["points"][0]["state_slots"] is not None]
+    if kvm:
+        lines += [
+            "",
+            "## State size (slots at the end of the row, mean over kvm layers and seeds)",
+            "",
+            *_table(
+                POINT_HEADER + kvm,
+                [
+                    _point_label(p) + [f"{means[v]['points'][i]['state_slots']:.1f}" for v in kvm]
+                    for i, p in enumerate(points)
+                ],
+            ),
+        ]
+    return lines
+
+
+def lm_tables(done: dict[str, list[Record]], means: dict[str, Record]) -> list[str]:
+    """Held-out loss per position bucket (mean, then per seed)."""
+    variants = list(done)
+    buckets = next(iter(means.values()))["buckets"]
+    runs = [(v, r) for v in variants for r in done[v]]
+    return [
+        "",
+        "## Held-out loss by position (mean over seeds)",
+        "",
+        *_table(
+            ["positions", *variants],
+            [
+                [f"{b['low']}-{b['high'] - 1}"]
+                + [f"{means[v]['buckets'][j]['loss']:.4f}" for v in variants]
+                for j, b in enumerate(buckets)
+            ],
+        ),
+        "",
+        "## Per seed",
+        "",
+        *_table(
+            ["positions", *(f"{v} s{r['seed']}" for v, r in runs)],
+            [
+                [f"{b['low']}-{b['high'] - 1}"]
+                + [f"{r['buckets'][j]['loss']:.4f}" for _, r in runs]
+                for j, b in enumerate(buckets)
+            ],
+        ),
+    ]
+
+
+def time_table(done: dict[str, list[Record]]) -> list[str]:
+    """Steps, final losses and training minutes of every run."""
+    return [
+        "",
+        "## Training",
+        "",
+        "Minutes: the trainer's clock (steps and held-out evaluations, resumes included).",
+        "",
+        *_table(
+            ["variant", "seed", "parameters", "steps", "loss", "held-out loss", "minutes"],
+            [
+                [
+                    v,
+                    str(r["seed"]),
+                    f"{r['parameters']:,}",
+                    str(r["steps"]),
+                    f"{r['loss']:.4f}",
+                    "-" if r["eval_loss"] is None else f"{r['eval_loss']:.4f}",
+                    f"{r['train_seconds'] / 60:.2f}",
+                ]
+                for v, records in done.items()
+                for r in records
+            ],
+        ),
+    ]
+
+
+def describe_study(study: StudyConfig, data: StudyData) -> list[str]:
+    """What was trained and how: the task, variants, seeds, steps, token shift."""
+    variants = [
+        f"- `{v}`: {overrides or 'the shared model'}" for v, overrides in study.variants.items()
+    ]
+    shifted = [v for v in study.variants if data.model_config(v).token_shift]
+    shift = (
+        "Token shift is on in every variant's model."
+        if len(shifted) == len(study.variants)
+        else f"Token shift is on in: {', '.join(shifted)}."
+        if shifted
+        else "Token shift is off."
+    )
+    if study.mqar is not None:
+        t = study.mqar.train
+        task = (
+            f"Task mqar: trained on {t.rows} rows of {t.seq_len} tokens (num_pairs "
+            f"{list(t.num_pairs)}, fillers {list(t.fillers)}, value_lens {list(t.value_lens)}, "
+            "queries = pairs, the gap filling the rest), loss on the answer tokens only; "
+            f"evaluated on {study.mqar.eval.rows} rows per point."
+        )
+    else:
+        assert study.lm is not None
+        d, e = study.lm.data, study.lm.eval
+        task = (
+            f"Task lm: trained on rows of {d.seq_len} tokens; held-out loss by position over "
+            f"{e.rows} held-out rows of {e.length} tokens (one forward each)."
+        )
+    return [
+        "",
+        task,
+        f"Every variant is trained for {study.train.steps} steps of batch {study.train.batch_size} "
+        f"on the same rows, once per seed ({', '.join(map(str, study.seeds))}). {shift}",
+        "",
+        f"Shared model: {study.model or 'the tiny preset'}. Variants:",
+        "",
+        *variants,
+    ]
+
+
+def plot_mqar(means: dict[str, Record], path: Path, title: str) -> None:
+    """Accuracy vs pairs and vs gap per (filler, value_len), and vs state size for kvm."""
+    plt = pyplot()
+    points = next(iter(means.values()))["points"]
+    kinds = sorted({(p["filler"], p["value_len"]) for p in points})
+    kvm = [v for v, m in means.items() if m["points"][0]["state_slots"] is not None]
+    nrows = 3 if kvm else 2
+    fig, axes = plt.subplots(
+        nrows, len(kinds), figsize=(4.5 * len(kinds), 3.5 * nrows), squeeze=False
+    )
+    for col, (filler, value_len) in enumerate(kinds):
+        for row, key in enumerate(("num_pairs", "gap")):
+            ax = axes[row][col]
+            for variant, m in means.items():
+                mine = [
+                    p for p in m["points"] if (p["filler"], p["value_len"]) == (filler, value_len)
+                ]
+                xs = sorted({p[key] for p in mine})
+                ys = [fmean(p["accuracy"] for p in mine if p[key] == x) for x in xs]
+                ax.plot(xs, ys, marker="o", label=variant)
+            other = "gaps" if key == "num_pairs" else "pairs"
+            ax.set_title(f"{filler} filler, value_len {value_len}", fontsize=9)
+            ax.set_xlabel(f"{'pairs' if key == 'num_pairs' else 'gap'} (mean over {other})")
+            ax.set_ylabel("accuracy")
+            ax.set_ylim(-0.02, 1.02)
+            ticks = sorted({p[key] for p in points})
+            if key == "gap":  # 0 and long gaps on one axis
+                ax.set_xscale("symlog", linthresh=1)
+                ax.set_xlim(0, max(ticks) * 1.2 + 1)
+            ax.set_xticks(ticks, [str(t) for t in ticks])
+            ax.legend(fontsize=7)
+    if kvm:
+        ax = axes[2][0]
+        for variant in kvm:
+            pts = means[variant]["points"]
+            ax.scatter([p["state_slots"] for p in pts], [p["accuracy"] for p in pts], label=variant)
+        ax.set_xscale("log")
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_xlabel("state slots at the end of the row")
+        ax.set_ylabel("accuracy")
+        ax.set_title("accuracy vs state size (every point)", fontsize=9)
+        ax.legend(fontsize=7)
+        for col in range(1, len(kinds)):
+            axes[2][col].axis("off")
+    fig.suptitle(title)
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
+def plot_lm(means: dict[str, Record], train_len: int, path: Path, title: str) -> None:
+    """Held-out loss against position (each bucket at its end), the training length marked."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for variant, m in means.items():
+        ax.plot(
+            [b["high"] for b in m["buckets"]],
+            [b["loss"] for b in m["buckets"]],
+            marker="o",
+            label=variant,
+        )
+    ax.axvline(train_len, color="gray", linestyle="--", label=f"training length {train_len}")
+    ax.set_xscale("log")
+    ax.set_xlabel("position (end of bucket)")
+    ax.set_ylabel("held-out loss (nats)")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
+def write_study_report(
+    data: StudyData, runs_dir: str | Path, out_dir: str | Path, argv: list[str] | None
+) -> list[Path]:
+    """study_<name>.{json,md,png} in out_dir from the study's finished runs; the paths."""
+    study = data.study
+    done, missing = collect(data, runs_dir)
+    stem = Path(out_dir) / f"study_{study.name}"
+    means = {v: mean_over_seeds(records) for v, records in done.items()}
+    title = f"longkv study {study.name} ({study.task})"
+    body = describe_study(study, data)
+    if missing:
+        body += ["", f"Not run (or run with other settings): {', '.join(missing)}."]
+    if done:
+        tables = mqar_tables if study.mqar is not None else lm_tables
+        body += [*tables(done, means), *time_table(done), "", f"![plots]({stem.name}.png)"]
+    payload = {
+        "provenance": provenance(argv),
+        "study": study.as_dict(),
+        "runs": [r for records in done.values() for r in records],
+        "mean": means,
+        "missing": missing,
+    }
+    paths = write_report(stem, title, payload, body)
+    if done:
+        png = stem.with_suffix(".png")
+        if study.mqar is not None:
+            plot_mqar(means, png, title)
+        else:
+            assert study.lm is not None
+            plot_lm(means, study.lm.data.seq_len, png, title)
+        paths.append(png)
+    return paths

@@ -1,0 +1,253 @@
+"""`longkv study`: a tiny grid end to end, skipping finished runs, exact resume, config errors."""
+
+from __future__ import annotations
+
+import copy
+import gzip
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from longkv.cli.main import main
+from longkv.study.config import load_study, study_from_mapping
+from longkv.study.runner import EVAL_FILE, StudyData, mqar_rows, run_dir, run_study
+from longkv.train import loop
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "configs" / "study" / "example_mqar.yaml"
+TINY_MODEL = {
+    "preset": "tiny", "d_model": 32, "n_layers": 2, "n_heads": 4, "swa_window": 8,
+    "kvm": {"chunk_len": 4, "window_chunks": 1, "state_min_len": 4, "rope_dim": 4},
+}  # fmt: skip
+TRAIN = {"steps": 3, "batch_size": 4, "warmup": 1, "eval_every": 3, "eval_batches": 1,
+         "checkpoint_every": 1}  # fmt: skip
+MQAR: dict[str, Any] = {
+    "name": "tiny",
+    "task": "mqar",
+    "seeds": [0, 1],
+    "model": TINY_MODEL,
+    "variants": {"full": {"mixer": "full"}, "kvm": {"mixer": "kvm"}},
+    "train": TRAIN,
+    "mqar": {
+        "train": {
+            "seq_len": 16,
+            "num_pairs": [2, 3],
+            "rows": 16,
+            "held_out_rows": 8,
+            "vocab_size": 32,
+            "filler_vocab": 8,
+        },
+        "eval": {
+            "num_pairs": [2, 3],
+            "gaps": [0, 8],
+            "rows": 4,
+            "batch_size": 2,
+            "distance_edges": [0, 8, 32],
+        },
+    },
+}
+
+
+def write(path: Path, study: dict[str, Any]) -> str:
+    path.write_text(yaml.safe_dump(study))
+    return str(path)
+
+
+def eval_files(runs: Path) -> dict[Path, int]:
+    return {p: p.stat().st_mtime_ns for p in sorted(runs.rglob(EVAL_FILE))}
+
+
+def untimed(record: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in record.items() if k != "train_seconds"}
+
+
+def test_a_tiny_mqar_grid_runs_end_to_end_then_skips_when_rerun(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = write(tmp_path / "study.yaml", MQAR)
+    argv = ["study", "--config", config, "--out-dir", str(tmp_path / "out"),
+            "--runs-dir", str(tmp_path / "runs")]  # fmt: skip
+    assert main(argv) == 0
+    assert "kvm seed 1 (4/4)" in capsys.readouterr().err  # the trainer's bar names the run
+    stem = tmp_path / "out" / "study_tiny"
+    page = json.loads(stem.with_suffix(".json").read_text())
+    assert set(page) == {"provenance", "study", "runs", "mean", "missing"}
+    assert page["missing"] == [] and len(page["runs"]) == 4
+    assert page["study"]["mqar"]["eval"]["gaps"] == [0, 8] and "seed" not in page["study"]["train"]
+    kvm, full = page["mean"]["kvm"], page["mean"]["full"]
+    assert [(p["num_pairs"], p["gap"], p["seq_len"]) for p in kvm["points"]] == [
+        (2, 0, 8), (2, 8, 16), (3, 0, 12), (3, 8, 20),
+    ]  # fmt: skip
+    assert all(p["state_slots"] is None for p in full["points"])  # no kvm layer
+    assert all(p["state_slots"] >= 1 for p in kvm["points"])
+    seeds = [r for r in page["runs"] if r["variant"] == "kvm"]
+    assert kvm["points"][0]["accuracy"] == pytest.approx(
+        (seeds[0]["points"][0]["accuracy"] + seeds[1]["points"][0]["accuracy"]) / 2
+    )
+    assert all(r["steps"] == 3 and r["settings"]["train"]["seed"] == r["seed"] for r in seeds)
+    md = stem.with_suffix(".md").read_text()
+    assert "## Accuracy (%, mean over seeds)" in md and "| kvm s1 |" in md.replace(" | ", " |\n| ")
+    assert "## State size" in md and "## Training" in md and "Token shift is off." in md
+    assert stem.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+    before = eval_files(tmp_path / "runs")
+    assert len(before) == 4
+
+    def no_training(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a finished run was trained again")
+
+    monkeypatch.setattr("longkv.study.runner.train", no_training)
+    assert main(argv) == 0  # everything finished: nothing trained, nothing rewritten
+    assert eval_files(tmp_path / "runs") == before
+    assert main([*argv[:-2], "--runs-dir", str(tmp_path / "other"), "--report-only"]) == 0
+    page = json.loads(stem.with_suffix(".json").read_text())
+    assert page["runs"] == [] and len(page["missing"]) == 4  # no finished runs there
+
+
+def test_an_interrupted_run_resumes_to_the_numbers_of_an_uninterrupted_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    study = study_from_mapping(MQAR)
+    data = StudyData(study)  # the rows are made once and shared by the runs
+    whole = run_study(study, tmp_path / "a", variants=["kvm"], seeds=[1], data=data)
+    lr_factor = loop.lr_factor
+
+    def ctrl_c_at_step_2(step: int, warmup: int, steps: int) -> float:
+        if step == 1:
+            raise KeyboardInterrupt
+        return lr_factor(step, warmup, steps)
+
+    monkeypatch.setattr(loop, "lr_factor", ctrl_c_at_step_2)
+    config = write(tmp_path / "study.yaml", MQAR)
+    argv = ["study", "--config", config, "--runs-dir", str(tmp_path / "b"), "--only", "kvm",
+            "--seeds", "1", "--out-dir", str(tmp_path / "out")]  # fmt: skip
+    assert main(argv) == 130
+    assert "holds step 1" in capsys.readouterr().err
+    out = run_dir(tmp_path / "b", study, "kvm", 1)
+    assert (out / loop.CHECKPOINT).is_file() and not (out / EVAL_FILE).exists()
+    monkeypatch.setattr(loop, "lr_factor", lr_factor)
+    resumed = run_study(study, tmp_path / "b", variants=["kvm"], seeds=[1], data=data)
+    assert untimed(resumed["kvm", 1]) == untimed(whole["kvm", 1])
+    recorded = json.loads((out / EVAL_FILE).read_text())
+    assert untimed(recorded) == untimed(whole["kvm", 1])
+
+
+def test_changed_settings_of_a_finished_run_are_refused_naming_them(tmp_path: Path) -> None:
+    study = study_from_mapping(MQAR)
+    run_study(study, tmp_path, variants=["full"], seeds=[0])
+    other = copy.deepcopy(MQAR)
+    other["train"]["lr"] = 5e-4
+    with pytest.raises(ValueError, match=r"train\.lr: 0\.001 -> 0\.0005; recorded -> given"):
+        run_study(study_from_mapping(other), tmp_path, variants=["full"], seeds=[0])
+    rescored = copy.deepcopy(MQAR)
+    rescored["mqar"]["eval"]["gaps"] = [4]  # only the evaluation changed: evaluated again
+    record = run_study(study_from_mapping(rescored), tmp_path, variants=["full"], seeds=[0])
+    assert [p["gap"] for p in record["full", 0]["points"]] == [4, 4]
+
+
+def test_variants_merge_into_the_shared_model_and_the_presets_kvm() -> None:
+    study = copy.deepcopy(MQAR)
+    study["variants"]["fixed"] = {"kvm": {"budget": "fixed"}, "token_shift": True}
+    built = study_from_mapping(study)
+    fixed, sqrt = built.model_config("fixed"), built.model_config("kvm")
+    assert fixed.kvm == {**sqrt.kvm, "budget": "fixed"}  # only the budget changed
+    assert sqrt.kvm["growth_factor"] == 4.0 and sqrt.kvm["chunk_len"] == 4  # preset, then model
+    assert fixed.token_shift and not sqrt.token_shift
+    assert fixed.vocab_size == 32 and built.model_config("full").mixer == "full"
+
+
+def test_mqar_rows_are_the_union_of_the_combinations_at_the_fixed_length() -> None:
+    spec = study_from_mapping(MQAR).mqar
+    assert spec is not None
+    train, held = mqar_rows(spec.train)
+    assert train.ids.shape == (16, 16) and held.ids.shape == (8, 16)
+    scored = (train.labels != -100).sum(1)
+    assert sorted(set(scored.tolist())) == [2, 3]  # num_pairs 2 and 3, one token per value
+    assert (scored == 2).sum() == (scored == 3).sum() == 8  # equal rows per combination
+    again, _ = mqar_rows(spec.train)
+    assert (again.ids == train.ids).all()  # the same rows for every run
+
+
+def bad(path: tuple[str, ...], value: Any) -> dict[str, Any]:
+    study = copy.deepcopy(MQAR)
+    node = study
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    return study
+
+
+@pytest.mark.parametrize(
+    ("study", "message"),
+    [
+        (bad(("colour",), 1), r"study: unknown keys \['colour'\]"),
+        (bad(("variants", "kvm", "mixr"), "kvm"), r"variants\.kvm: unknown keys \['mixr'\]"),
+        (bad(("variants", "kvm", "mixer"), "lstm"), r"variant kvm: LongKVConfig\.mixer"),
+        (bad(("train", "seed"), 3), r"train\.seed: set from each of seeds"),
+        (bad(("train", "stepz"), 3), r"train: unknown keys \['stepz'\]"),
+        (bad(("model", "vocab_size"), 99), r"model\.vocab_size: set by mqar\.train\.vocab_size"),
+        (bad(("mqar", "train", "seq_len"), 8), r"mqar\.train\.seq_len: 8 cannot hold num_pairs=3"),
+        (bad(("mqar", "train", "rows"), 15), r"mqar\.train\.rows: must be a multiple of the 2"),
+        (bad(("mqar", "train", "fillers"), ["noise"]), r"mqar\.train\.fillers"),
+        (bad(("mqar", "eval", "num_pairs"), [20]), r"mqar\.eval: MQARConfig\.vocab_size"),
+        (bad(("mqar", "eval", "max_len"), 12), r"mqar\.eval\.max_len: the point num_pairs=2"),
+        (bad(("seeds",), [1, 1]), r"seeds: must be a non-empty list of distinct ints"),
+        (bad(("task",), "lm"), r"lm: task 'lm' needs a lm section"),
+        (bad(("name",), "a/b"), r"name: must be a folder name"),
+    ],
+)  # fmt: skip
+def test_config_errors_name_the_key(study: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        study_from_mapping(study)
+
+
+def test_the_cli_reports_a_bad_config_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = write(tmp_path / "study.yaml", bad(("train", "seed"), 3))
+    assert main(["study", "--config", config]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "longkv: error: train.seed: set from each of seeds; remove it"
+    config = write(tmp_path / "study.yaml", MQAR)
+    assert main(["study", "--config", config, "--only", "gru"]) == 2
+    assert "--only: unknown variants ['gru']" in capsys.readouterr().err
+
+
+def test_the_example_config_parses() -> None:
+    study = load_study(EXAMPLE)
+    assert study.task == "mqar" and len(study.variants) >= 2
+
+
+def test_a_tiny_lm_study_reports_loss_by_position(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(4):
+        with gzip.open(corpus / f"d{i}.txt.gz", "wt") as f:
+            f.write(f"The cat sat on the mat number {i}. " * 60)
+    study = {
+        "name": "lm_tiny", "task": "lm", "seeds": [0], "model": TINY_MODEL,
+        "variants": {"full": {"mixer": "full"}, "kvm": None}, "train": TRAIN,
+        "lm": {"data": {"folder": str(corpus), "seq_len": 16, "every": 2},
+               "eval": {"length": 64, "rows": 2, "batch_size": 2}},
+    }  # fmt: skip
+    argv = ["study", "--config", write(tmp_path / "lm.yaml", study),
+            "--out-dir", str(tmp_path / "out"), "--runs-dir", str(tmp_path / "runs")]  # fmt: skip
+    assert main(argv) == 0
+    page = json.loads((tmp_path / "out" / "study_lm_tiny.json").read_text())
+    buckets = page["mean"]["kvm"]["buckets"]
+    assert [(b["low"], b["high"]) for b in buckets] == [
+        (0, 1), (1, 2), (2, 4), (4, 8), (8, 16), (16, 32), (32, 64),
+    ]  # fmt: skip
+    assert all(b["loss"] > 0 for b in buckets)
+    record = page["runs"][0]
+    assert record["settings"]["data"]["folder"] == str(corpus)
+    assert record["settings"]["model"]["vocab_size"] == 50257  # the shipped GPT-2's
+    md = (tmp_path / "out" / "study_lm_tiny.md").read_text()
+    assert "## Held-out loss by position" in md
+    assert (tmp_path / "out" / "study_lm_tiny.png").is_file()
+    with pytest.raises(ValueError, match=r"lm\.eval\.rows: the held-out documents fill"):
+        too_many = copy.deepcopy(study)
+        too_many["lm"]["eval"]["rows"] = 1000
+        run_study(study_from_mapping(too_many), tmp_path / "more")
