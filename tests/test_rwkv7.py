@@ -75,15 +75,27 @@ def test_chunked_continues_its_own_state() -> None:
     assert_close(S_rest, S_whole)
 
 
-def test_strong_decay_does_not_underflow_in_float32() -> None:
-    """A chunk's cumulative decay exp(-20 * 16) is 0 in float32: ratios of cumulative products
-    would be 0 / 0; exps of differences of log decays stay exact."""
-    *args, S0 = inputs(1, 2, 40, 4, 3, seed=4, log_decay=40.0)
-    y, S = rwkv7_recurrence(*(a.float() for a in args), state=S0.float(), chunk_len=16)
+def test_float32_keeps_its_range_over_long_chunks_of_strong_decay() -> None:
+    """Every token at RWKV-7's strongest decay over 64-token chunks: the chunk's decay
+    exp(-38.8) is past float32's precision around 1 and its factors reach exp(19.4), yet the
+    result matches float64."""
+    *args, S0 = inputs(1, 2, 150, 4, 3, seed=4)
+    args[1] = torch.full_like(args[1], -MAX_DECAY)
+    y, S = rwkv7_recurrence(*(a.float() for a in args), state=S0.float(), chunk_len=64)
     y_ref, S_ref = rwkv7_recurrence_naive(*args, state=S0)
     assert torch.isfinite(y).all() and y.dtype == torch.float32
     assert_close(y.double(), y_ref, 1e-4)
     assert_close(S.double(), S_ref, 1e-4)
+
+
+def test_a_chunk_decaying_past_the_factored_range_is_refused() -> None:
+    *args, S0 = inputs(1, 2, 40, 4, 3, seed=4, log_decay=40.0)
+    with pytest.raises(
+        ValueError, match=r"log_w: a chunk of 16 tokens decays by .* smaller chunk_len"
+    ):
+        rwkv7_recurrence(*args, state=S0, chunk_len=16)
+    y, _ = rwkv7_recurrence(*args, state=S0, chunk_len=1)  # one token per chunk: any decay
+    assert_close(y, rwkv7_recurrence_naive(*args, state=S0)[0])
 
 
 def test_gradcheck_of_the_chunked_recurrence() -> None:
