@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from longkv.cli.main import main
+from longkv.evals.synthetic import make_mqar, query_distance
 from longkv.study.config import load_study, study_from_mapping
 from longkv.study.runner import EVAL_FILE, StudyData, mqar_rows, run_dir, run_study
 from longkv.train import loop
@@ -168,6 +169,23 @@ def test_mqar_rows_are_the_union_of_the_combinations_at_the_fixed_length() -> No
     assert (scored == 2).sum() == (scored == 3).sum() == 8  # equal rows per combination
     again, _ = mqar_rows(spec.train)
     assert (again.ids == train.ids).all()  # the same rows for every run
+
+
+def test_training_gaps_keep_the_length_with_filler_before_the_pairs() -> None:
+    study = copy.deepcopy(MQAR)
+    study["mqar"]["train"].update(gaps=[0, 3, 100], rows=24, held_out_rows=6)  # 100: > any rest
+    spec = study_from_mapping(study).mqar
+    assert spec is not None
+    configs = spec.train.configs(0)
+    rests = [16 - 4 * c.num_pairs for c in configs]
+    assert [c.gap for c in configs] == [
+        min(g, r) for g, r in zip([0, 3, 100] * 2, rests, strict=True)
+    ]
+    assert all(c.lead + c.gap == r and c.seq_len == 16 for c, r in zip(configs, rests, strict=True))
+    train, _ = mqar_rows(spec.train)
+    assert train.ids.shape == (24, 16)
+    distances = [query_distance(make_mqar(c, 4)).min().item() for c in configs]
+    assert distances[0] < distances[2]  # a gap of 0 asks pairs nearer than the whole rest
 
 
 def bad(path: tuple[str, ...], value: Any) -> dict[str, Any]:

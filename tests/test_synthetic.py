@@ -26,6 +26,8 @@ SETTINGS = [
     MQARConfig(num_pairs=5, num_queries=3, gap=7, filler="random", value_len=1, vocab_size=40),
     MQARConfig(num_pairs=4, num_queries=4, gap=9, filler="repeated", value_len=3, vocab_size=30),
     MQARConfig(num_pairs=1, num_queries=1, gap=0, filler="random", value_len=2, vocab_size=18),
+    MQARConfig(num_pairs=3, num_queries=2, gap=2, filler="random", vocab_size=30, lead=5),
+    MQARConfig(num_pairs=2, num_queries=2, gap=0, filler="repeated", value_len=2, lead=7),
 ]
 
 
@@ -41,17 +43,17 @@ def one_hot_logits(batch, vocab_size: int):
 def test_layout_lengths_and_vocabulary(c: MQARConfig) -> None:
     batch = make_mqar(c, 6)
     p, q, lv = c.num_pairs, c.num_queries, c.value_len
-    assert c.seq_len == (p + q) * (1 + lv) + c.gap
+    assert c.seq_len == c.lead + (p + q) * (1 + lv) + c.gap
     assert batch.input_ids.shape == (6, c.seq_len) and batch.input_ids.dtype == torch.long
     assert batch.labels.shape == batch.scored.shape == batch.distance.shape == (6, c.seq_len)
     ids = batch.input_ids
     n = c.key_vocab
-    pairs = ids[:, : p * (1 + lv)].view(6, p, 1 + lv)
-    gap = ids[:, p * (1 + lv) : c.query_start]
+    pairs = ids[:, c.lead : c.lead + p * (1 + lv)].view(6, p, 1 + lv)
+    gap = torch.cat([ids[:, : c.lead], ids[:, c.lead + p * (1 + lv) : c.query_start]], dim=1)
     queries = ids[:, c.query_start :].view(6, q, 1 + lv)
     assert ((pairs[..., 0] >= 0) & (pairs[..., 0] < n)).all()  # keys
     assert ((pairs[..., 1:] >= n) & (pairs[..., 1:] < 2 * n)).all()  # values
-    assert ((gap >= 2 * n) & (gap < 2 * n + c.filler_vocab)).all()  # filler: neither
+    assert ((gap >= 2 * n) & (gap < 2 * n + c.filler_vocab)).all()  # lead and gap: filler
     assert ids.max() < c.vocab_size
     for row in range(6):
         keys = pairs[row, :, 0].tolist()
@@ -78,7 +80,8 @@ def test_labels_and_distances(c: MQARConfig) -> None:
     for row in range(4):
         for t in batch.scored[row].nonzero().flatten().tolist():
             qk = (t - c.query_start) // (1 + lv) * (1 + lv) + c.query_start
-            key_pos = ids[row, : c.num_pairs * (1 + lv)].tolist().index(ids[row, qk].item())
+            pairs = ids[row, c.lead : c.lead + c.num_pairs * (1 + lv)].tolist()
+            key_pos = c.lead + pairs.index(ids[row, qk].item())
             assert batch.distance[row, t] == qk - key_pos
     assert (batch.distance[~batch.scored] == 0).all()
 
@@ -204,6 +207,7 @@ def test_accuracy_by_distance_handmade_batch() -> None:
         (dict(num_pairs=0), "MQARConfig.num_pairs"),
         (dict(num_queries=9, num_pairs=8), "MQARConfig.num_queries"),
         (dict(gap=-1), "MQARConfig.gap"),
+        (dict(lead=-2), "MQARConfig.lead"),
         (dict(filler="zeros"), "MQARConfig.filler"),
         (dict(value_len=0), "MQARConfig.value_len"),
         (dict(vocab_size=31, num_pairs=8, filler_vocab=16), "MQARConfig.vocab_size"),

@@ -5,9 +5,13 @@ query is a key of an earlier pair followed by that pair's value, and only the va
 the queries are scored (docs/evals.md section 2). Everything is a pure function of the settings
 (`MQARConfig`, seed included): the same settings give the same batch.
 
-Layout of one row (value_len = L, pairs P, queries Q, gap G):
+Layout of one row (value_len = L, pairs P, queries Q, gap G, lead E):
 
-    k_1 v_1 ... k_P v_P | f f ... f (G) | k_q1 v_q1 ... k_qQ v_qQ      (each v is L tokens)
+    f ... f (E) | k_1 v_1 ... k_P v_P | f f ... f (G) | k_q1 v_q1 ... k_qQ v_qQ   (each v L tokens)
+
+The lead (none by default) is filler before the pairs, so that rows with different gaps can
+have one length: training rows of one length whose gaps range from 0 up teach recall at every
+distance (with only long gaps, models sit at chance for longer, docs/evals.md section 2).
 
 Vocabulary: with n = (vocab_size - filler_vocab) // 2, keys are ids [0, n), values [n, 2n) and
 filler [2n, 2n + filler_vocab); an odd leftover id is unused. Within a row the keys are
@@ -46,7 +50,7 @@ class MQARConfig:
     filler "repeated" cycles through min(PATTERN_LEN, filler_vocab) filler ids (little
     novelty); "random" draws each filler token uniformly from the filler ids (novel
     distractors, never a key or a value). value_len > 1 makes each value several tokens, all
-    scored.
+    scored. lead: filler tokens before the pairs (unscored, of the same kind).
     """
 
     num_pairs: int = 8
@@ -57,6 +61,7 @@ class MQARConfig:
     vocab_size: int = 64
     filler_vocab: int = 16
     seed: int = 0
+    lead: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_pairs", "num_queries", "value_len", "filler_vocab"):
@@ -72,11 +77,13 @@ class MQARConfig:
             f"must be <= num_pairs = {self.num_pairs} (each query asks a distinct pair), got "
             f"{self.num_queries}; lower num_queries or raise num_pairs",
         )
-        require(
-            isinstance(self.gap, int) and self.gap >= 0,
-            "MQARConfig.gap",
-            f"must be an int >= 0, got {self.gap!r}",
-        )
+        for name in ("gap", "lead"):
+            value = getattr(self, name)
+            require(
+                isinstance(value, int) and value >= 0,
+                f"MQARConfig.{name}",
+                f"must be an int >= 0, got {value!r}",
+            )
         require(
             self.filler in FILLERS,
             "MQARConfig.filler",
@@ -110,11 +117,11 @@ class MQARConfig:
     @property
     def query_start(self) -> int:
         """Position of the first query's key."""
-        return self.num_pairs * self.pair_len + self.gap
+        return self.lead + self.num_pairs * self.pair_len + self.gap
 
     @property
     def seq_len(self) -> int:
-        """T = (num_pairs + num_queries) * (1 + value_len) + gap."""
+        """T = lead + (num_pairs + num_queries) * (1 + value_len) + gap."""
         return self.query_start + self.num_queries * self.pair_len
 
 
@@ -150,14 +157,16 @@ def make_mqar(config: MQARConfig, batch_size: int) -> MQARBatch:
     keys = _distinct(gen, b, n, p)  # (B, P)
     values = n + torch.stack([_distinct(gen, b, n, p) for _ in range(lv)], dim=-1)  # (B, P, L)
     asked = _distinct(gen, b, p, q)  # (B, Q): which pair each query asks
+    f = c.lead + c.gap  # filler tokens: the lead, then the gap
     if c.filler == "random":
-        filler = c.filler_start + torch.randint(c.filler_vocab, (b, c.gap), generator=gen)
+        filler = c.filler_start + torch.randint(c.filler_vocab, (b, f), generator=gen)
     else:
-        pattern = torch.arange(c.gap) % min(PATTERN_LEN, c.filler_vocab)
-        filler = (c.filler_start + pattern).expand(b, c.gap)
+        pattern = torch.arange(f) % min(PATTERN_LEN, c.filler_vocab)
+        filler = (c.filler_start + pattern).expand(b, f)
     pairs = torch.cat([keys.unsqueeze(-1), values], dim=-1)  # (B, P, 1 + L)
     queries = pairs.gather(1, asked.unsqueeze(-1).expand(b, q, c.pair_len))  # (B, Q, 1 + L)
-    input_ids = torch.cat([pairs.flatten(1), filler, queries.flatten(1)], dim=1)
+    lead, gap = filler.split([c.lead, c.gap], dim=1)
+    input_ids = torch.cat([lead, pairs.flatten(1), gap, queries.flatten(1)], dim=1)
 
     query_keys = c.query_start + c.pair_len * torch.arange(q)  # (Q,)
     value_positions = query_keys.unsqueeze(-1) + torch.arange(1, lv + 1)  # (Q, L)
@@ -165,7 +174,7 @@ def make_mqar(config: MQARConfig, batch_size: int) -> MQARBatch:
     scored = torch.zeros(b, c.seq_len, dtype=torch.bool)
     scored[:, value_positions.flatten()] = True
     labels = torch.where(scored, input_ids, IGNORE)
-    query_distance = query_keys - c.pair_len * asked  # (B, Q)
+    query_distance = query_keys - c.lead - c.pair_len * asked  # (B, Q)
     distance = torch.zeros(b, c.seq_len, dtype=torch.long)
     distance.scatter_(1, flat, query_distance.repeat_interleave(lv, dim=1))
     return MQARBatch(input_ids, labels, scored, distance, value_positions)

@@ -76,15 +76,19 @@ def _fillers(name: str, values: tuple[Any, ...]) -> None:
 
 @dataclass(frozen=True)
 class MQARTrainData:
-    """The MQAR training rows: every combination of num_pairs x fillers x value_lens, with
-    rows / combinations rows each, all exactly seq_len tokens (gap = seq_len - 2 * num_pairs *
-    (1 + value_len), queries = num_pairs); held_out_rows likewise from other seeds. seed: the
-    data seed, the same rows for every variant and seed of the study."""
+    """The MQAR training rows: every combination of num_pairs x fillers x value_lens (x gaps),
+    with rows / combinations rows each, all exactly seq_len tokens, queries = num_pairs.
+    gaps None: the gap fills the rest of the row (gap = seq_len - 2 * num_pairs * (1 +
+    value_len)); a list: each gap in turn, capped at that rest, and filler before the pairs (the
+    MQAR lead) fills what is left, so one length holds rows recalling at every distance.
+    held_out_rows likewise from other seeds. seed: the data seed, the same rows for every
+    variant and seed of the study."""
 
     seq_len: int
     num_pairs: tuple[int, ...]
     fillers: tuple[str, ...] = ("random",)
     value_lens: tuple[int, ...] = (1,)
+    gaps: tuple[int, ...] | None = None
     rows: int = 4096
     held_out_rows: int = 256
     vocab_size: int = 8192
@@ -92,18 +96,20 @@ class MQARTrainData:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _tuples(self, "num_pairs", "fillers", "value_lens")
+        _tuples(self, "num_pairs", "fillers", "value_lens", "gaps")
         _ints("mqar.train.num_pairs", self.num_pairs, 1)
         _ints("mqar.train.value_lens", self.value_lens, 1)
+        if self.gaps is not None:
+            _ints("mqar.train.gaps", self.gaps, 0)
         _fillers("mqar.train.fillers", self.fillers)
         require_at_least(1, "mqar.train", self, "seq_len", "rows", "held_out_rows")
-        n = len(self.num_pairs) * len(self.fillers) * len(self.value_lens)
+        n = len(self.num_pairs) * len(self.fillers) * len(self.value_lens) * len(self.gaps or (0,))
         for name in ("rows", "held_out_rows"):
             require(
                 getattr(self, name) % n == 0,
                 f"mqar.train.{name}",
-                f"must be a multiple of the {n} (num_pairs, filler, value_len) combinations "
-                f"(equal rows each), got {getattr(self, name)}",
+                f"must be a multiple of the {n} (num_pairs, filler, value_len, gap) "
+                f"combinations (equal rows each), got {getattr(self, name)}",
             )
         for p, length in itertools.product(self.num_pairs, self.value_lens):
             need = 2 * p * (1 + length)
@@ -120,20 +126,26 @@ class MQARTrainData:
 
     def configs(self, stream: int) -> list[MQARConfig]:
         """One MQARConfig per combination, seeded for `stream` (TRAIN or HELD_OUT)."""
-        combinations = itertools.product(self.num_pairs, self.fillers, self.value_lens)
-        return [
-            MQARConfig(
-                num_pairs=p,
-                num_queries=p,
-                gap=self.seq_len - 2 * p * (1 + length),
-                filler=filler,
-                value_len=length,
-                vocab_size=self.vocab_size,
-                filler_vocab=self.filler_vocab,
-                seed=derived_seed(self.seed, stream, p, FILLERS.index(filler), length),
+        out = []
+        for p, filler, length, gap in itertools.product(
+            self.num_pairs, self.fillers, self.value_lens, self.gaps or (None,)
+        ):
+            rest = self.seq_len - 2 * p * (1 + length)
+            gap = rest if gap is None else min(gap, rest)
+            out.append(
+                MQARConfig(
+                    num_pairs=p,
+                    num_queries=p,
+                    gap=gap,
+                    lead=rest - gap,
+                    filler=filler,
+                    value_len=length,
+                    vocab_size=self.vocab_size,
+                    filler_vocab=self.filler_vocab,
+                    seed=derived_seed(self.seed, stream, p, FILLERS.index(filler), length, gap),
+                )
             )
-            for p, filler, length in combinations
-        ]
+        return out
 
 
 @dataclass(frozen=True)
