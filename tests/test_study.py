@@ -14,6 +14,7 @@ import yaml
 from longkv.cli.main import main
 from longkv.evals.synthetic import make_mqar, query_distance
 from longkv.study.config import load_study, study_from_mapping
+from longkv.study.report import describe_study
 from longkv.study.runner import EVAL_FILE, StudyData, mqar_rows, run_dir, run_study
 from longkv.train import loop
 
@@ -91,6 +92,7 @@ def test_a_tiny_mqar_grid_runs_end_to_end_then_skips_when_rerun(
     md = stem.with_suffix(".md").read_text()
     assert "## Accuracy (%, mean over seeds)" in md and "| kvm s1 |" in md.replace(" | ", " |\n| ")
     assert "## State size" in md and "## Training" in md and "Token shift is off." in md
+    assert "queries = pairs, the gap filling the rest)" in md
     assert stem.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
 
     before = eval_files(tmp_path / "runs")
@@ -174,7 +176,10 @@ def test_mqar_rows_are_the_union_of_the_combinations_at_the_fixed_length() -> No
 def test_training_gaps_keep_the_length_with_filler_before_the_pairs() -> None:
     study = copy.deepcopy(MQAR)
     study["mqar"]["train"].update(gaps=[0, 3, 100], rows=24, held_out_rows=6)  # 100: > any rest
-    spec = study_from_mapping(study).mqar
+    config = study_from_mapping(study)
+    page = "\n".join(describe_study(config, StudyData(config)))
+    assert "gaps [0, 3, 100] capped at the rest, filler before the pairs filling it" in page
+    spec = config.mqar
     assert spec is not None
     configs = spec.train.configs(0)
     rests = [16 - 4 * c.num_pairs for c in configs]

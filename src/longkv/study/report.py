@@ -221,10 +221,15 @@ def describe_study(study: StudyConfig, data: StudyData) -> list[str]:
     )
     if study.mqar is not None:
         t = study.mqar.train
+        gaps = (
+            "the gap filling the rest"
+            if t.gaps is None
+            else f"gaps {list(t.gaps)} capped at the rest, filler before the pairs filling it"
+        )
         task = (
             f"Task mqar: trained on {t.rows} rows of {t.seq_len} tokens (num_pairs "
             f"{list(t.num_pairs)}, fillers {list(t.fillers)}, value_lens {list(t.value_lens)}, "
-            "queries = pairs, the gap filling the rest), loss on the answer tokens only; "
+            f"queries = pairs, {gaps}), loss on the answer tokens only; "
             f"evaluated on {study.mqar.eval.rows} rows per point."
         )
     else:
