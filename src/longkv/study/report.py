@@ -261,6 +261,7 @@ def plot_mqar(means: dict[str, Record], path: Path, title: str) -> None:
     fig, axes = plt.subplots(
         nrows, len(kinds), figsize=(4.5 * len(kinds), 3.5 * nrows), squeeze=False
     )
+    color = {variant: f"C{i}" for i, variant in enumerate(means)}  # one colour per variant
     for col, (filler, value_len) in enumerate(kinds):
         for row, key in enumerate(("num_pairs", "gap")):
             ax = axes[row][col]
@@ -270,7 +271,7 @@ def plot_mqar(means: dict[str, Record], path: Path, title: str) -> None:
                 ]
                 xs = sorted({p[key] for p in mine})
                 ys = [fmean(p["accuracy"] for p in mine if p[key] == x) for x in xs]
-                ax.plot(xs, ys, marker="o", label=variant)
+                ax.plot(xs, ys, marker="o", label=variant, color=color[variant])
             other = "gaps" if key == "num_pairs" else "pairs"
             ax.set_title(f"{filler} filler, value_len {value_len}", fontsize=9)
             ax.set_xlabel(f"{'pairs' if key == 'num_pairs' else 'gap'} (mean over {other})")
@@ -282,18 +283,25 @@ def plot_mqar(means: dict[str, Record], path: Path, title: str) -> None:
                 ax.set_xlim(0, max(ticks) * 1.2 + 1)
             ax.set_xticks(ticks, [str(t) for t in ticks])
             ax.legend(fontsize=7)
-    if kvm:
-        ax = axes[2][0]
-        for variant in kvm:
-            pts = means[variant]["points"]
-            ax.scatter([p["state_slots"] for p in pts], [p["accuracy"] for p in pts], label=variant)
-        ax.set_xscale("log")
-        ax.set_ylim(-0.02, 1.02)
-        ax.set_xlabel("state slots at the end of the row")
-        ax.set_ylabel("accuracy")
-        ax.set_title("accuracy vs state size (every point)", fontsize=9)
-        ax.legend(fontsize=7)
-        for col in range(1, len(kinds)):
+    if kvm:  # recall against pairs per state slot, one panel per value length
+        lengths = sorted({value_len for _, value_len in kinds})
+        for col, value_len in enumerate(lengths):
+            ax = axes[2][col]
+            for variant in kvm:
+                pts = [p for p in means[variant]["points"] if p["value_len"] == value_len]
+                ax.scatter(
+                    [p["num_pairs"] / p["state_slots"] for p in pts],
+                    [p["accuracy"] for p in pts],
+                    label=variant, color=color[variant], alpha=0.6,
+                )  # fmt: skip
+            ax.set_xscale("log", base=2)
+            ax.axvline(1.0, color="grey", linestyle=":", linewidth=1)
+            ax.set_ylim(-0.02, 1.02)
+            ax.set_xlabel("pairs per state slot (end of row)")
+            ax.set_ylabel("accuracy")
+            ax.set_title(f"kvm: every point, value_len {value_len}", fontsize=9)
+            ax.legend(fontsize=7)
+        for col in range(len(lengths), len(kinds)):
             axes[2][col].axis("off")
     fig.suptitle(title)
     fig.tight_layout()
