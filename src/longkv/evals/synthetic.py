@@ -64,12 +64,13 @@ class MQARConfig:
     lead: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("num_pairs", "num_queries", "value_len", "filler_vocab"):
+        lows = {"num_pairs": 1, "num_queries": 1, "value_len": 1, "filler_vocab": 1}
+        for name, low in {**lows, "gap": 0, "lead": 0}.items():
             value = getattr(self, name)
             require(
-                isinstance(value, int) and value >= 1,
+                isinstance(value, int) and value >= low,
                 f"MQARConfig.{name}",
-                f"must be an int >= 1, got {value!r}",
+                f"must be an int >= {low}, got {value!r}",
             )
         require(
             self.num_queries <= self.num_pairs,
@@ -77,13 +78,6 @@ class MQARConfig:
             f"must be <= num_pairs = {self.num_pairs} (each query asks a distinct pair), got "
             f"{self.num_queries}; lower num_queries or raise num_pairs",
         )
-        for name in ("gap", "lead"):
-            value = getattr(self, name)
-            require(
-                isinstance(value, int) and value >= 0,
-                f"MQARConfig.{name}",
-                f"must be an int >= 0, got {value!r}",
-            )
         require(
             self.filler in FILLERS,
             "MQARConfig.filler",
