@@ -15,7 +15,7 @@ from statistics import fmean
 from typing import Any
 
 from longkv.results import provenance, pyplot, save_figure, write_report
-from longkv.study.config import StudyConfig
+from longkv.study.config import TRAIN, StudyConfig
 from longkv.study.runner import StudyData, finished
 
 Record = dict[str, Any]
@@ -231,6 +231,13 @@ def describe_study(study: StudyConfig, data: StudyData) -> list[str]:
             f"{list(t.num_pairs)}, fillers {list(t.fillers)}, value_lens {list(t.value_lens)}, "
             f"queries = pairs, {gaps}), loss on the answer tokens only; "
             f"evaluated on {study.mqar.eval.rows} rows per point."
+        )
+        n = t.configs(TRAIN)[0].key_vocab
+        task += (
+            f" Chance is a held-out loss of ln {n} = {math.log(n):.2f} (every one of the {n} "
+            f"value ids alike) and {100 / n:.1f} % with one-token values: a run there has not "
+            "learned recall, and a mean over seeds that includes it is pulled down (read the "
+            "per-seed tables)."
         )
     else:
         assert study.lm is not None
