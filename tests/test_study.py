@@ -89,6 +89,9 @@ def test_a_tiny_mqar_grid_runs_end_to_end_then_skips_when_rerun(
         (seeds[0]["points"][0]["accuracy"] + seeds[1]["points"][0]["accuracy"]) / 2
     )
     assert all(r["steps"] == 3 and r["settings"]["train"]["seed"] == r["seed"] for r in seeds)
+    assert [c for r in seeds for c in r["held_out_curve"]] == [
+        [3, pytest.approx(r["eval_loss"])] for r in seeds
+    ]  # metrics.csv's held-out losses (eval_every = steps = 3)
     md = stem.with_suffix(".md").read_text()
     assert "## Accuracy (%, mean over seeds)" in md and "| kvm s1 |" in md.replace(" | ", " |\n| ")
     assert "## State size" in md and "## Training" in md and "Token shift is off." in md

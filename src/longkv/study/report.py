@@ -16,7 +16,8 @@ from typing import Any
 
 from longkv.results import provenance, pyplot, save_figure, write_report
 from longkv.study.config import TRAIN, StudyConfig
-from longkv.study.runner import StudyData, finished
+from longkv.study.runner import StudyData, finished, run_dir
+from longkv.train.report import read_metrics
 
 Record = dict[str, Any]
 
@@ -69,7 +70,9 @@ def _mean_point(seeds: list[Record]) -> Record:
 
 
 def collect(data: StudyData, runs_dir: str | Path) -> tuple[dict[str, list[Record]], list[str]]:
-    """(finished records by variant in seed order, the runs missing as "variant seed k")."""
+    """(finished records by variant in seed order, each with its held-out loss curve
+    `held_out_curve` [[step, loss], ...] from metrics.csv; the runs missing as "variant seed
+    k")."""
     study = data.study
     done: dict[str, list[Record]] = {}
     missing = []
@@ -78,8 +81,10 @@ def collect(data: StudyData, runs_dir: str | Path) -> tuple[dict[str, list[Recor
             record = finished(data, runs_dir, variant, seed)
             if record is None:
                 missing.append(f"{variant} seed {seed}")
-            else:
-                done.setdefault(variant, []).append(record)
+                continue
+            metrics = read_metrics(run_dir(runs_dir, study, variant, seed) / "metrics.csv")
+            curve = [[int(m["step"]), m["eval_loss"]] for m in metrics if "eval_loss" in m]
+            done.setdefault(variant, []).append({**record, "held_out_curve": curve})
     return done, missing
 
 
@@ -179,16 +184,30 @@ def lm_tables(done: dict[str, list[Record]], means: dict[str, Record]) -> list[s
     ]
 
 
+TIME_HEADER = [
+    "variant",
+    "seed",
+    "parameters",
+    "steps",
+    "loss",
+    "held-out loss",
+    "held-out curve",
+    "minutes",
+]
+
+
 def time_table(done: dict[str, list[Record]]) -> list[str]:
-    """Steps, final losses and training minutes of every run."""
+    """Steps, final losses, the held-out loss curve and training minutes of every run."""
     return [
         "",
         "## Training",
         "",
-        "Minutes: the trainer's clock (steps and held-out evaluations, resumes included).",
+        "Minutes: the trainer's clock (steps and held-out evaluations, resumes included). "
+        "Held-out curve: the held-out loss at each evaluation, in step order (where a run "
+        "leaves a plateau, and how many steps it had after).",
         "",
         *_table(
-            ["variant", "seed", "parameters", "steps", "loss", "held-out loss", "minutes"],
+            TIME_HEADER,
             [
                 [
                     v,
@@ -197,6 +216,7 @@ def time_table(done: dict[str, list[Record]]) -> list[str]:
                     str(r["steps"]),
                     f"{r['loss']:.4f}",
                     "-" if r["eval_loss"] is None else f"{r['eval_loss']:.4f}",
+                    " ".join(f"{loss:.2f}" for _, loss in r["held_out_curve"]) or "-",
                     f"{r['train_seconds'] / 60:.2f}",
                 ]
                 for v, records in done.items()
