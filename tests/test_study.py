@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import yaml
 
 from longkv.cli.main import main
@@ -17,6 +18,7 @@ from longkv.study.config import load_study, study_from_mapping
 from longkv.study.report import describe_study
 from longkv.study.runner import EVAL_FILE, StudyData, mqar_rows, run_dir, run_study
 from longkv.train import loop
+from longkv.train.data import pack_texts, split_texts
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "configs" / "study" / "example_mqar.yaml"
 TINY_MODEL = {
@@ -273,6 +275,9 @@ def test_a_tiny_lm_study_reports_loss_by_position(tmp_path: Path) -> None:
     md = (tmp_path / "out" / "study_lm_tiny.md").read_text()
     assert "## Held-out loss by position" in md
     assert (tmp_path / "out" / "study_lm_tiny.png").is_file()
+    data = StudyData(study_from_mapping(study))
+    held_out = pack_texts(data.tokenizer, split_texts(data.study.lm.data)[1], 64)
+    assert len(held_out) > 2 and torch.equal(data.long_rows, held_out[[0, -1]])  # spread out
     with pytest.raises(ValueError, match=r"lm\.eval\.rows: the held-out documents fill"):
         too_many = copy.deepcopy(study)
         too_many["lm"]["eval"]["rows"] = 1000

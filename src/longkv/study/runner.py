@@ -111,7 +111,9 @@ class StudyData:
 
     @cached_property
     def long_rows(self) -> torch.Tensor:
-        """(lm.eval.rows, length + 1) held-out token rows for the loss by position."""
+        """(lm.eval.rows, length + 1) held-out token rows for the loss by position, spread
+        evenly over all the held-out rows (first and last included), so that the buckets
+        average over the held-out documents rather than the first few."""
         assert self.study.lm is not None
         data, spec = self.study.lm.data, self.study.lm.eval
         rows = pack_texts(self.tokenizer, split_texts(data)[1], spec.length)
@@ -121,7 +123,7 @@ class StudyData:
                 f"lm.eval.length={spec.length} tokens, fewer than {spec.rows}; lower rows or "
                 "length, or hold out more documents (lm.data.every)"
             )
-        return rows[: spec.rows]
+        return rows[torch.linspace(0, len(rows) - 1, spec.rows).round().long()]
 
     def model_config(self, variant: str) -> LongKVConfig:
         return self.study.model_config(variant, **self.tokens)
