@@ -32,6 +32,8 @@ from longkv.train.data import (
     split_texts,
 )
 from longkv.train.loop import (
+    CHECKPOINT,
+    METRICS_FILE,
     MODEL_FIELDS,
     Interrupted,
     TrainConfig,
@@ -232,7 +234,7 @@ def run_train(args: argparse.Namespace, argv: list[str]) -> int:
     last = metrics[-1]
     eval_loss = last.get("eval_loss", float("nan"))
     print(f"step {last['step']}: loss {last['loss']:.4f}, eval loss {eval_loss:.4f}")
-    print(f"wrote {out}/checkpoint.pt, {out}/metrics.csv, {out}/model, {out}/{RUN_FILE}")
+    print(f"wrote {out}/{CHECKPOINT}, {out}/{METRICS_FILE}, {out}/model, {out}/{RUN_FILE}")
     return 0
 
 
@@ -349,7 +351,7 @@ def run_compare(args: argparse.Namespace, argv: list[str]) -> int:
     payload = {"provenance": provenance(argv), "runs": [asdict(r) for r in results]}
     print("\n".join(table))
     write_report(stem, "longkv compare-runs: " + ", ".join(args.configs), payload, body)
-    curves = {label: read_metrics(out / "metrics.csv") for label, _, _, out, _ in runs}
+    curves = {label: read_metrics(out / METRICS_FILE) for label, _, _, out, _ in runs}
     plot_runs(curves, stem.with_suffix(".png"), "loss curves: " + ", ".join(curves))
     print(f"wrote {stem}.json, {stem}.md, {stem}.png")
     return 0

@@ -17,6 +17,7 @@ from typing import Any
 from longkv.results import provenance, pyplot, save_figure, write_report
 from longkv.study.config import TRAIN, StudyConfig
 from longkv.study.runner import StudyData, finished, run_dir
+from longkv.train.loop import METRICS_FILE
 from longkv.train.report import read_metrics
 
 Record = dict[str, Any]
@@ -82,7 +83,7 @@ def collect(data: StudyData, runs_dir: str | Path) -> tuple[dict[str, list[Recor
             if record is None:
                 missing.append(f"{variant} seed {seed}")
                 continue
-            metrics = read_metrics(run_dir(runs_dir, study, variant, seed) / "metrics.csv")
+            metrics = read_metrics(run_dir(runs_dir, study, variant, seed) / METRICS_FILE)
             curve = [[int(m["step"]), m["eval_loss"]] for m in metrics if "eval_loss" in m]
             done.setdefault(variant, []).append({**record, "held_out_curve": curve})
     return done, missing

@@ -40,6 +40,7 @@ from longkv.models import LongKVConfig, LongKVForCausalLM
 from longkv.results import replaced_atomically
 
 CHECKPOINT = "checkpoint.pt"
+METRICS_FILE = "metrics.csv"  # one row per step: loss, lr, eval_loss on eval steps, seconds
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered, on rank 0's CPU
 MODEL_FIELDS = tuple(
     name
@@ -384,7 +385,7 @@ def train(
                         },
                     )  # fmt: skip
                     saved = step + 1
-                    write_metrics(out / "metrics.csv", metrics)
+                    write_metrics(out / METRICS_FILE, metrics)
                     if writer is not None:
                         writer.flush()
             if size > 1:

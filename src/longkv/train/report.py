@@ -12,7 +12,7 @@ from torch import Tensor
 
 from longkv.models import LongKVForCausalLM
 from longkv.results import pyplot, save_figure, write_atomic
-from longkv.train.loop import evaluate
+from longkv.train.loop import METRICS_FILE, evaluate
 
 PROVENANCE = "provenance.json"  # in a run's out_dir: a record per finished `longkv train`
 RUN_FILE = "run.yaml"  # in a run's out_dir: the run file of its last finished `longkv train`
@@ -72,7 +72,7 @@ def score_run(
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"no finished model in {folder}; finish `longkv train` first")
     model = LongKVForCausalLM.from_pretrained(folder).eval()
-    metrics = read_metrics(out / "metrics.csv")
+    metrics = read_metrics(out / METRICS_FILE)
     steps = int(metrics[-1]["step"])
     n = min(batches, len(held_out) // eval_batch)
     return RunResult(
