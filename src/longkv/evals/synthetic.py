@@ -64,8 +64,15 @@ class MQARConfig:
     lead: int = 0
 
     def __post_init__(self) -> None:
-        lows = {"num_pairs": 1, "num_queries": 1, "value_len": 1, "filler_vocab": 1}
-        for name, low in {**lows, "gap": 0, "lead": 0}.items():
+        lows = {
+            "num_pairs": 1,
+            "num_queries": 1,
+            "value_len": 1,
+            "filler_vocab": 1,
+            "gap": 0,
+            "lead": 0,
+        }
+        for name, low in lows.items():
             value = getattr(self, name)
             require(
                 isinstance(value, int) and value >= low,
