@@ -98,6 +98,8 @@ def test_a_tiny_mqar_grid_runs_end_to_end_then_skips_when_rerun(
     assert "## Accuracy (%, mean over seeds)" in md and "| kvm s1 |" in md.replace(" | ", " |\n| ")
     assert "## State size" in md and "## Training" in md and "Token shift is off." in md
     assert "queries = pairs, the gap filling the rest)" in md
+    # (32 ids - 8 filler) / 2 = 12 value ids: chance is ln 12 nats, 1/12 of the answers
+    assert "Chance is a held-out loss of ln 12 = 2.48" in md and "and 8.3 % with one-token" in md
     assert stem.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
 
     before = eval_files(tmp_path / "runs")
