@@ -164,7 +164,8 @@ def test_a_given_option_reaches_its_setting() -> None:
     ("argv", "flag"),
     [
         (["niah", "--window", "0"], "--window"),
-        (["niah", "--window", "100", "--stream-chunk", "200"], "--stream-chunk"),
+        (["niah", "--budgets", "100", "--stream-chunk", "200"], "--stream-chunk"),
+        (["niah", "--methods", "kvm-fold", "--budgets", "8", "--window", "4"], "--window"),
         (["niah", "--depths", "0.5", "2"], "--depths"),
         (["fold", "--tokens", "0"], "--tokens"),
         (["drift", "--chunk-sizes", "0"], "--chunk-sizes"),
@@ -238,7 +239,7 @@ def test_niah_without_both_fold_and_full_claims_no_agreement(
 ) -> None:
     argv = [
         "niah", "--model", tiny_model, "--tasks", "passkey", "--lengths", "300",
-        "--depths", "0.5", "--methods", "streaming", "--window", "60", "--stream-chunk", "16",
+        "--depths", "0.5", "--methods", "streaming", "--budgets", "64", "--stream-chunk", "16",
         "--max-new-tokens", "2", "--out-dir", str(tmp_path), "--name", "n",
     ]  # fmt: skip
     assert main(argv) == 0
@@ -248,7 +249,7 @@ def test_niah_without_both_fold_and_full_claims_no_agreement(
     for text in (printed, page):
         assert "full attention" not in text and "KV-Fold" not in text, text
     assert "fold_equals_full" not in saved
-    assert "| passkey | streaming |" in page
+    assert "| passkey | streaming@64 |" in page
 
 
 def test_niah_with_fold_and_full_says_whether_they_agree(
@@ -270,7 +271,7 @@ def test_niah_with_fold_and_full_says_whether_they_agree(
     [
         (["--lengths", "300", "1024"], "--lengths"),  # 1024 - 128 + 31 > 512 positions
         (["--lengths", "300", "40"], "--lengths"),  # 40 tokens cannot hold the task's prompt
-        (["--methods", "streaming", "--window", "600"], "--window"),  # 4 + 600 > 512
+        (["--methods", "streaming", "--budgets", "604"], "--budgets"),  # 604 > 512
     ],
 )
 def test_niah_checks_the_whole_grid_before_answering(
@@ -283,7 +284,7 @@ def test_niah_checks_the_whole_grid_before_answering(
 ) -> None:
     argv = [
         "niah", "--model", tiny_model, "--tasks", "passkey", "--depths", "0.5",
-        "--window", "100", "--out-dir", str(tmp_path), *extra,
+        "--budgets", "104", "--out-dir", str(tmp_path), *extra,
     ]  # fmt: skip
     assert main(argv) == 2
     assert f"error: argument {flag}: " in capsys.readouterr().err
@@ -296,9 +297,9 @@ def test_fold_and_drift_check_positions_before_running(
     base = ["--model", tiny_model, "--out-dir", str(tmp_path)]
     assert main(["fold", *base, "--tokens", "600"]) == 2
     assert "error: argument --tokens: 600 tokens take 600 positions" in capsys.readouterr().err
-    argv = ["fold", *base, "--tokens", "100", "--methods", "streaming", "--window", "600"]
+    argv = ["fold", *base, "--tokens", "100", "--methods", "streaming", "--budgets", "604"]
     assert main(argv) == 2
-    assert "error: argument --window: " in capsys.readouterr().err
+    assert "error: argument --budgets: " in capsys.readouterr().err
     # 500 tokens fit, but a BOS before every 64-token chunk adds 8 positions
     argv = ["drift", *base, "--tokens", "510", "--chunk-sizes", "64", "--prefixes", "bos"]
     assert main(argv) == 2
@@ -345,10 +346,10 @@ def test_streaming_stays_within_the_positions_with_allow_extrapolation(
     tiny_model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     base = ["--model", tiny_model, "--out-dir", str(tmp_path), "--allow-extrapolation"]
-    argv = ["fold", *base, "--tokens", "100", "--methods", "streaming", "--window", "600"]
+    argv = ["fold", *base, "--tokens", "100", "--methods", "streaming", "--budgets", "604"]
     assert main(argv) == 2
     said = capsys.readouterr().err.split("error: argument ")[-1]  # after the usage lines
-    assert said.startswith("--window: ") and "extrapolation" not in said, said
+    assert said.startswith("--budgets: ") and "extrapolation" not in said, said
 
 
 @pytest.mark.parametrize("command", sorted(PAST))

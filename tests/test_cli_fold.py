@@ -16,16 +16,16 @@ def test_fold_command_compares_methods(tmp_path: Path) -> None:
     argv = [
         "fold", "--tokens", "300", "--chunk-size", "64", "--dtype", "fp64",
         "--methods", "full", "fold", "streaming",
-        "--window", "100", "--stream-chunk", "16", "--out-dir", str(tmp_path), "--name", "f",
+        "--budgets", "104", "--stream-chunk", "16", "--out-dir", str(tmp_path), "--name", "f",
     ]  # fmt: skip
     assert main(argv) == 0
     report = json.loads((tmp_path / "f.json").read_text())
     runs = {r["method"]: r for r in report["runs"]}
     assert runs["fold"]["max_abs_nll_diff_vs_full"] <= 1e-10
-    assert runs["streaming"]["max_abs_nll_diff_vs_full"] > 1e-3  # its window is 104 entries
+    assert runs["streaming@104"]["max_abs_nll_diff_vs_full"] > 1e-3  # its cache holds 104 entries
     assert set(report["ratios"]) == {
         "fold / full time", "fold / full peak memory",
-        "streaming / full time", "streaming / full peak memory",
+        "streaming@104 / full time", "streaming@104 / full peak memory",
     }  # fmt: skip
     assert report["provenance"]["command"].startswith("longkv fold")
     assert "| fold / full time |" in (tmp_path / "f.md").read_text()

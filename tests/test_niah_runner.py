@@ -20,26 +20,26 @@ from longkv.train.tokenizer import gpt2_tokenizer
 def test_runner_answers_saves_and_resumes(tmp_path: Path) -> None:
     model, tokenizer = load_pretrained()
     settings = NiahSettings(
-        tasks=("niah_single_1",), lengths=(1024,), depths=(0.3,), window=252, max_new_tokens=10
+        tasks=("niah_single_1",), lengths=(1024,), depths=(0.3,), budgets=(256,), max_new_tokens=10
     )
     path = tmp_path / "niah.json"
     run = run_niah(model, tokenizer, settings, path, {"command": "test"})
-    assert [r.method for r in run.records] == ["full", "fold", "streaming"]
+    assert [r.method for r in run.records] == ["full", "fold", "streaming@256"]
     by = {r.method: r for r in run.records}
     assert by["full"].score == 1.0 and by["fold"].tokens == by["full"].tokens
-    assert by["streaming"].score == 0.0  # the needle left its 256-entry cache
+    assert by["streaming@256"].score == 0.0  # the needle left its 256-entry cache
     assert fold_mismatches(run.records) == []
     saved = json.loads(path.read_text())
     assert saved["fold_equals_full"] and len(saved["records"]) == 3
     assert saved["accuracy"]["niah_single_1/fold/1024"] == 100.0
-    assert "| niah_single_1 | streaming | 0.0 | 0.0 |" in accuracy_table(run)
+    assert "| niah_single_1 | streaming@256 | 0.0 | 0.0 |" in accuracy_table(run)
     # an interrupted grid (its last answer missing) resumes, keeping the answers it saved
     saved["records"] = saved["records"][:2]
     path.write_text(json.dumps(saved))
     resumed = run_niah(model, tokenizer, settings, path)
     assert [r.seconds for r in resumed.records[:2]] == [r["seconds"] for r in saved["records"]]
     assert [r.key for r in resumed.records] == [r.key for r in run.records]
-    assert resumed.records[2].tokens == by["streaming"].tokens
+    assert resumed.records[2].tokens == by["streaming@256"].tokens
     # a finished grid is measured again, not replayed
     again = run_niah(model, tokenizer, settings, path)
     assert len(again.records) == 3 and again.records[0].seconds != resumed.records[0].seconds
@@ -52,7 +52,7 @@ def test_bad_settings_are_refused() -> None:
         NiahSettings(tasks=("niah_single_9",))
     with pytest.raises(ValueError, match="methods: unknown"):
         NiahSettings(methods=("rnn",))
-    with pytest.raises(ValueError, match=r"NiahSettings\.window: must be >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"NiahSettings\.window: must be >= 1 \(or unset"):
         NiahSettings(window=0)
     with pytest.raises(ValueError, match=r"NiahSettings\.sinks: must be >= 0, got -1"):
         NiahSettings(sinks=-1)

@@ -1,4 +1,4 @@
-"""Fold against one full forward (and StreamingLLM) on the same tokens, in one run.
+"""Fold against one full forward (and the bounded caches) on the same tokens, in one run.
 
 Each method runs once with its peak memory measured (which also warms it up), then `repeats`
 timed runs with the heap kept for reuse; the reported time is their median. The weights are
@@ -16,8 +16,9 @@ from typing import Any
 from torch import Tensor, nn
 
 from longkv.bench.memory import keep_freed_heap, load_weights, peak_memory
+from longkv.fold.bounded import BoundedConfig, bounded_fold
 from longkv.fold.fold import FoldResult, kv_fold
-from longkv.fold.streaming import streaming_llm
+from longkv.fold.methods import make_runner
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class MethodRun:
     seconds: float
     peak_memory_bytes: int | None
     mean_nll: float
+    nll_gap_vs_full: float
     max_abs_nll_diff_vs_full: float
 
 
@@ -36,8 +38,7 @@ def _runs(
     model: nn.Module,
     ids: Tensor,
     chunk_size: int,
-    sinks: int,
-    window: int,
+    bounded: dict[str, BoundedConfig],
     stream_chunk: int,
     allow_extrapolation: bool,
 ) -> dict[str, tuple[int, Callable[[], FoldResult]]]:
@@ -46,16 +47,16 @@ def _runs(
     def fold(size: int, progress: bool) -> FoldResult:
         return kv_fold(model, ids, size, allow_extrapolation=allow_extrapolation, progress=progress)
 
-    return {
+    def run_bounded(config: BoundedConfig) -> FoldResult:
+        return bounded_fold(make_runner(model, config), ids, stream_chunk, progress=True)
+
+    runs: dict[str, tuple[int, Callable[[], FoldResult]]] = {
         "full": (T, lambda: fold(T, False)),
         "fold": (chunk_size, lambda: fold(chunk_size, True)),
-        "streaming": (
-            stream_chunk,
-            lambda: streaming_llm(
-                model, ids, sinks=sinks, window=window, chunk_size=stream_chunk, progress=True
-            ),
-        ),
     }
+    for label, config in bounded.items():
+        runs[label] = (stream_chunk, lambda config=config: run_bounded(config))  # type: ignore[misc]
+    return runs
 
 
 def compare_methods(
@@ -65,21 +66,22 @@ def compare_methods(
     *,
     methods: tuple[str, ...] = ("full", "fold"),
     repeats: int = 1,
-    sinks: int = 4,
-    window: int = 1020,
+    bounded: dict[str, BoundedConfig] | None = None,
     stream_chunk: int = 64,
     allow_extrapolation: bool = False,
 ) -> dict[str, Any]:
     """Measure each method on input_ids (B, T); ratios against the full forward.
 
-    allow_extrapolation: let full and fold run a RoPE model past its max_position_embeddings
-    (`kv_fold`); StreamingLLM's positions stay within sinks + window.
+    methods: "full" and "fold", and labels of `bounded` (label -> config; see
+    `longkv.fold.methods`), run in chunks of stream_chunk. allow_extrapolation: let full and
+    fold run a RoPE model past its max_position_embeddings (`kv_fold`); a bounded cache's
+    positions stay within its budget.
     """
     if repeats < 1:
         raise ValueError(f"repeats: must be >= 1, got {repeats}")
     keep_freed_heap()
     load_weights(model)
-    runs = _runs(model, input_ids, chunk_size, sinks, window, stream_chunk, allow_extrapolation)
+    runs = _runs(model, input_ids, chunk_size, bounded or {}, stream_chunk, allow_extrapolation)
     results: dict[str, MethodRun] = {}
     full_nll: Tensor | None = None
     for method in ("full", *[m for m in methods if m != "full"]):
@@ -95,6 +97,7 @@ def compare_methods(
             seconds=statistics.median(times),
             peak_memory_bytes=peak,
             mean_nll=first.nll.mean().item(),
+            nll_gap_vs_full=(first.nll - full_nll).mean().item(),
             max_abs_nll_diff_vs_full=(first.nll - full_nll).abs().max().item(),
         )
     full = results["full"]
@@ -111,14 +114,16 @@ def compare_methods(
 def markdown_rows(report: dict[str, Any]) -> list[str]:
     """Markdown tables of a `compare_methods` report."""
     lines = [
-        "| method | chunk | seconds | peak MiB | mean NLL | max abs NLL diff vs full |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| method | chunk | seconds | peak MiB | mean NLL | NLL gap vs full | "
+        "max abs NLL diff vs full |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in report["runs"]:
         peak = "n/a" if r["peak_memory_bytes"] is None else f"{r['peak_memory_bytes'] / 2**20:.0f}"
         lines.append(
             f"| {r['method']} | {r['chunk_size']} | {r['seconds']:.2f} | {peak} | "
-            f"{r['mean_nll']:.4f} | {r['max_abs_nll_diff_vs_full']:.2e} |"
+            f"{r['mean_nll']:.4f} | {r['nll_gap_vs_full']:+.4f} | "
+            f"{r['max_abs_nll_diff_vs_full']:.2e} |"
         )
     lines += ["", "| ratio (same run) | value |", "|---|---:|"]
     lines += [f"| {name} | {value:.3f} |" for name, value in report["ratios"].items()]

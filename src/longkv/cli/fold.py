@@ -13,9 +13,10 @@ from longkv.bench.compare import compare_methods, markdown_rows
 from longkv.checks import require, require_at_least, setting
 from longkv.cli.args import add_settings
 from longkv.data.corpus import DEFAULT_TEXT, text_tokens
+from longkv.fold.bounded import budget_refusal, check_bounded
 from longkv.fold.drift import drift_table, full_forward, measure_drift, plot_drift
 from longkv.fold.fold import CLI_SWITCH, position_refusal
-from longkv.fold.streaming import check_streamable, window_refusal
+from longkv.fold.methods import METHODS, BoundedOptions, describe_runs
 from longkv.models.pretrained import DEFAULT_MODEL, load_pretrained
 from longkv.results import OUT_DIR, provenance, write_report
 
@@ -67,31 +68,21 @@ class TextOptions:
 
 
 @dataclass(frozen=True)
-class FoldOptions(TextOptions):
+class FoldOptions(BoundedOptions, TextOptions):
     """`longkv fold`: the methods compared with one full forward, and their options."""
 
     chunk_size: int = setting(1024, "fold chunk (tokens)")
     dtype: str = setting("fp32", "weights and activations", choices=sorted(DTYPES))
     methods: tuple[str, ...] = setting(
-        ("full", "fold"),
-        "methods to run; full always runs, as the reference",
-        choices=("full", "fold", "streaming"),
+        ("full", "fold"), "methods to run; full always runs, as the reference", choices=METHODS
     )
     repeats: int = setting(1, "timed runs per method (median)")
-    sinks: int = setting(4, "StreamingLLM sink tokens")
-    window: int = setting(1020, "StreamingLLM recent tokens")
-    stream_chunk: int = setting(64, "StreamingLLM chunk (1 = token by token)")
     name: str | None = setting(None, "file name stem of the results (default: fold_<tokens>)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require_at_least(1, "FoldOptions", self, "chunk_size", "repeats", "window", "stream_chunk")
-        require_at_least(0, "FoldOptions", self, "sinks")
-        require(
-            self.stream_chunk <= self.window,
-            "FoldOptions.stream_chunk",
-            f"{self.stream_chunk} exceeds the StreamingLLM window {self.window}",
-        )
+        require_at_least(1, "FoldOptions", self, "chunk_size", "repeats")
+        self.bounded_configs(self.methods)
 
 
 @dataclass(frozen=True)
@@ -161,20 +152,23 @@ def run_fold(args: argparse.Namespace, argv: list[str]) -> int:
     require_positions(
         model, o.tokens, "FoldOptions.tokens", f"{o.tokens} tokens", m.allow_extrapolation
     )
-    if "streaming" in o.methods:
-        refusal = window_refusal(model, o.sinks, o.window)
-        require(refusal is None, "FoldOptions.window", f"StreamingLLM's {refusal}")
-        check_streamable(model, o.sinks, o.window)
+    bounded = o.bounded_configs(o.methods)
+    for label, config in bounded.items():
+        refusal = budget_refusal(model, config.budget)
+        require(refusal is None, "FoldOptions.budgets", f"{label}: {refusal}")
+        check_bounded(model, config.budget, label)
     ids = _tokens(o, m, tokenizer, model)
     report = compare_methods(
-        model, ids, o.chunk_size, methods=o.methods, repeats=o.repeats,
-        sinks=o.sinks, window=o.window, stream_chunk=o.stream_chunk,
-        allow_extrapolation=m.allow_extrapolation,
+        model, ids, o.chunk_size, methods=tuple(o.labels(o.methods)), repeats=o.repeats,
+        bounded=bounded, stream_chunk=o.stream_chunk, allow_extrapolation=m.allow_extrapolation,
     )  # fmt: skip
     report = {"provenance": provenance(argv), "settings": {**asdict(m), **asdict(o)}, **report}
     stem = Path(m.out_dir) / (o.name or f"fold_{o.tokens}")
     title = f"longkv fold: {m.model}, {o.tokens} tokens of {o.text}, {o.dtype}"
     tables = markdown_rows(report)
+    if bounded:
+        tables = [f"Bounded caches, read in chunks of {o.stream_chunk}: {describe_runs(bounded)}.",
+                  "", *tables]  # fmt: skip
     print("\n".join(tables))
     paths = write_report(stem, title, report, ["", *tables])
     print("\nwrote " + ", ".join(map(str, paths)))

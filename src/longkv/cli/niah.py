@@ -17,6 +17,7 @@ from longkv.evals.runner import (
     heatmap,
     run_niah,
 )
+from longkv.fold.methods import describe_runs
 from longkv.results import provenance, provenance_lines, write_atomic
 
 
@@ -51,14 +52,13 @@ def verdict(records: list[NiahRecord]) -> list[str]:
 
 def methods_line(s: NiahSettings) -> str:
     """The methods that ran and their options, for the page."""
-    options = {
-        "full": "full attention",
-        "fold": f"KV-Fold in chunks of {s.chunk_size}",
-        "streaming": f"StreamingLLM with {s.sinks} sinks + {s.window} recent, chunk "
-        f"{s.stream_chunk}",
-    }
+    options = {"full": "full attention", "fold": f"KV-Fold in chunks of {s.chunk_size}"}
+    said = [options[m] for m in s.methods if m in options]
+    bounded = s.bounded_configs(s.methods)
+    if bounded:
+        said.append(f"bounded caches read in chunks of {s.stream_chunk}: {describe_runs(bounded)}")
     return (
-        "; ".join(options[m] for m in s.methods)
+        "; ".join(said)
         + f"; greedy, at most {s.max_new_tokens} new tokens; {s.samples} sample(s) per cell"
     )
 

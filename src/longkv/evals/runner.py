@@ -1,7 +1,9 @@
-"""Needle-in-a-haystack over lengths x depths x methods: full attention, KV-Fold, StreamingLLM.
+"""Needle-in-a-haystack over lengths x depths x methods: full attention, KV-Fold and the bounded
+caches (StreamingLLM, SnapKV, KVM-Fold at each budget).
 
 Every method answers the same prompt by greedy decoding: `full` from one pass over the whole
-prompt, `fold` from a fold in chunks, `streaming` from a StreamingLLM cache. Records are written
+prompt, `fold` from a fold in chunks, a bounded method (labelled like `kvm-fold/sqrt@1024`,
+`longkv.fold.methods`) from its cache after reading the prompt in chunks. Records are written
 to the JSON file after every answer (atomically), and a rerun with the same settings reuses
 those of an unfinished grid, so an interrupted grid loses nothing; a finished grid (such as a
 committed result) is run again.
@@ -22,30 +24,28 @@ from tqdm import tqdm
 
 from longkv.checks import SettingError, require, require_at_least, setting
 from longkv.evals.niah import ANSWER_BUDGET, TASKS, NiahSample, make_sample, sample_score
+from longkv.fold.bounded import bounded_generate, budget_refusal, check_bounded
 from longkv.fold.fold import CLI_SWITCH, check_foldable, position_refusal
 from longkv.fold.generate import fold_generate
-from longkv.fold.streaming import check_streamable, streaming_generate, window_refusal
+from longkv.fold.methods import METHODS, BoundedOptions, make_runner
 from longkv.results import pyplot, save_figure, write_atomic
-
-METHODS = ("full", "fold", "streaming")
 
 
 @dataclass(frozen=True)
-class NiahSettings:
-    """The grid and the methods' options."""
+class NiahSettings(BoundedOptions):
+    """The grid, the methods and their options."""
 
     tasks: tuple[str, ...] = setting(("niah_single_2",), "needle tasks", choices=TASKS)
     lengths: tuple[int, ...] = setting(
         (4096,), "context lengths in tokens (prompt and answer budget)"
     )
     depths: tuple[float, ...] = setting((0.1, 0.5, 0.9), "needle depths in [0, 1]")
-    methods: tuple[str, ...] = setting(METHODS, "methods that answer", choices=METHODS)
+    methods: tuple[str, ...] = setting(
+        ("full", "fold", "streaming"), "methods that answer", choices=METHODS
+    )
     samples: int = setting(1, "samples per cell (task, length, depth)")
     seed: int = setting(0, "seed of the first sample; sample i uses seed + i")
     chunk_size: int = setting(1024, "fold chunk (tokens)")
-    sinks: int = setting(4, "StreamingLLM sink tokens")
-    window: int = setting(1020, "StreamingLLM recent tokens")
-    stream_chunk: int = setting(64, "StreamingLLM chunk (1 = token by token)")
     max_new_tokens: int = setting(32, "greedy answer tokens at most")
 
     def __post_init__(self) -> None:
@@ -59,19 +59,19 @@ class NiahSettings:
                 f"NiahSettings.{name}",
                 f"unknown {unknown}; choose from {list(allowed)}",
             )
-        at_least_one = ("lengths", "samples", "chunk_size", "window", "stream_chunk")
-        require_at_least(1, "NiahSettings", self, *at_least_one, "max_new_tokens")
-        require_at_least(0, "NiahSettings", self, "sinks")
+        require_at_least(1, "NiahSettings", self, "lengths", "samples", "chunk_size")
+        require_at_least(1, "NiahSettings", self, "max_new_tokens")
         require(
             all(0 <= d <= 1 for d in self.depths),
             "NiahSettings.depths",
             f"must lie in [0, 1], got {self.depths}",
         )
-        require(
-            self.stream_chunk <= self.window,
-            "NiahSettings.stream_chunk",
-            f"{self.stream_chunk} exceeds the StreamingLLM window {self.window}",
-        )
+        self.bounded_configs(self.methods)
+
+    @property
+    def runs(self) -> list[str]:
+        """The label of every method run (`BoundedOptions.labels`)."""
+        return self.labels(self.methods)
 
 
 @dataclass(frozen=True)
@@ -131,8 +131,9 @@ def answer(
     eos: int | None,
     allow_extrapolation: bool = False,
 ) -> list[int]:
-    """Greedy answer tokens of one method to the prompt ids (1, T); allow_extrapolation lets
-    full and fold run a RoPE model past its max_position_embeddings (`fold_generate`)."""
+    """Greedy answer tokens of one method run (a label of `s.runs`) to the prompt ids (1, T);
+    allow_extrapolation lets full and fold run a RoPE model past its max_position_embeddings
+    (`fold_generate`)."""
     n = s.max_new_tokens
     if method in ("full", "fold"):
         size = ids.shape[1] if method == "full" else s.chunk_size
@@ -140,10 +141,8 @@ def answer(
             model, ids, size, n, eos_token_id=eos, allow_extrapolation=allow_extrapolation
         )
     else:
-        out = streaming_generate(
-            model, ids, n, sinks=s.sinks, window=s.window, chunk_size=s.stream_chunk,
-            eos_token_id=eos,
-        )  # fmt: skip
+        runner = make_runner(model, s.bounded_configs(s.methods)[method])
+        out = bounded_generate(runner, ids, s.stream_chunk, n, eos_token_id=eos)
     tokens = out[0].tolist()
     return tokens[: tokens.index(eos)] if eos is not None and eos in tokens else tokens
 
@@ -170,16 +169,17 @@ def run_niah(
         for d in s.depths
         for i in range(s.samples)
     ]
+    runs = s.runs
     saved = NiahRun.resume(path, s)
-    if len(saved) == len(cells) * len(s.methods):  # finished: measure again
+    if len(saved) == len(cells) * len(runs):  # finished: measure again
         saved = []
     run = NiahRun(settings=s, records=saved, provenance=provenance or {})
     done = {r.key for r in run.records}
-    todo = {c: [m for m in s.methods if (*c, m) not in done] for c in cells}
+    todo = {c: [m for m in runs if (*c, m) not in done] for c in cells}
     check_grid(model, s, allow_extrapolation)
     samples = build_samples(tokenizer, [c for c in cells if todo[c]], corpus_dir)
     eos = getattr(tokenizer, "eos_token_id", None)
-    progress = tqdm(total=len(cells) * len(s.methods) - len(done), desc="niah", unit="answer")
+    progress = tqdm(total=len(cells) * len(runs) - len(done), desc="niah", unit="answer")
     for (task, n, d, seed), sample in samples.items():
         ids = torch.tensor([sample.input_ids], device=model.get_input_embeddings().weight.device)
         for method in todo[(task, n, d, seed)]:
@@ -212,7 +212,7 @@ def check_grid(model: nn.Module, s: NiahSettings, allow_extrapolation: bool = Fa
     at its lengths; ValueError if it cannot run a method at all. Nothing is run.
 
     Full attention and the fold run past max_position_embeddings only on a RoPE model with
-    allow_extrapolation (`position_refusal`); StreamingLLM's cache never does."""
+    allow_extrapolation (`position_refusal`); a bounded cache never does."""
     if {"full", "fold"} & set(s.methods):
         # the prompt (length - ANSWER_BUDGET tokens), then all but the last answer token
         n = max(s.lengths)
@@ -227,15 +227,16 @@ def check_grid(model: nn.Module, s: NiahSettings, allow_extrapolation: bool = Fa
             f"the answer), {refusal}",
         )
         check_foldable(model, needed, allow_extrapolation=allow_extrapolation)
-    if "streaming" in s.methods:
-        refusal = window_refusal(model, s.sinks, s.window)
-        require(refusal is None, "NiahSettings.window", f"StreamingLLM's {refusal}")
+    for label, config in s.bounded_configs(s.methods).items():
+        refusal = budget_refusal(model, config.budget)
+        require(refusal is None, "NiahSettings.budgets", f"{label}: {refusal}")
         try:
-            check_streamable(model, s.sinks, s.window)
+            check_bounded(model, config.budget, label)
         except ValueError as err:
+            method = label.split("@")[0].split("/")[0]
             raise SettingError(
                 "NiahSettings.methods",
-                f"streaming cannot run on this model ({err}); leave it out, e.g. --methods full "
+                f"{method} cannot run on this model ({err}); leave it out, e.g. --methods full "
                 "fold",
             ) from err
 
@@ -289,7 +290,7 @@ def accuracy_table(run: NiahRun) -> str:
         "|---|---|" + "---:|" * (len(s.lengths) + 1),
     ]
     for task in s.tasks:
-        for method in s.methods:
+        for method in s.runs:
             cells = [acc.get(f"{task}/{method}/{n}") for n in s.lengths]
             known = [c for c in cells if c is not None]
             mean = f"{sum(known) / len(known):.1f}" if known else ""
@@ -303,7 +304,7 @@ def heatmap(run: NiahRun, path: Path) -> None:
     plt = pyplot()
     s = run.settings
     scores = mean_scores(run.records, lambda r: (r.task, r.method, r.depth, r.context_len))
-    rows, cols = len(s.tasks), len(s.methods)
+    rows, cols = len(s.tasks), len(s.runs)
     fig, axes = plt.subplots(
         rows,
         cols,
@@ -312,7 +313,7 @@ def heatmap(run: NiahRun, path: Path) -> None:
         layout="constrained",
     )
     for i, task in enumerate(s.tasks):
-        for j, method in enumerate(s.methods):
+        for j, method in enumerate(s.runs):
             grid = torch.tensor(
                 [[scores.get((task, method, d, n), float("nan")) for n in s.lengths]
                  for d in s.depths]

@@ -1,0 +1,98 @@
+"""Attention for bounded caches: the model's own softmax attention plus what a cache policy
+needs, an additive bias per cached entry and the probability mass the last queries give each
+entry, through transformers' AttentionInterface.
+
+`hooked(model, hooks)` runs the model's attention layers with `bounded_attention` for the
+duration of a forward: plain causal softmax attention (bottom-right aligned: query i of L sees
+the keys up to Lk - L + i), computed in at least float32, with `hooks.bias[layer]` added to the
+logits of every query and, when `hooks.observe > 0`, the probabilities of the last `observe`
+queries summed over them and over the query heads that share each KV head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+from transformers import AttentionInterface
+
+NAME = "longkv_bounded"
+
+
+@dataclass
+class AttentionHooks:
+    """What one forward adds to attention and reads back from it.
+
+    bias: per layer, None or (B, Hkv, Lk) added to every query's logits on those keys;
+    observe: how many of the last queries to sum probabilities over (0: none);
+    seen: filled per layer with (B, Hkv, Lk) float32 probability mass of the observed queries.
+    """
+
+    bias: list[Tensor | None] | None = None
+    observe: int = 0
+    seen: dict[int, Tensor] = field(default_factory=dict)
+
+
+_ACTIVE: ContextVar[AttentionHooks | None] = ContextVar("longkv_attention_hooks", default=None)
+UNSUPPORTED = ("sliding_window", "softcap", "s_aux")
+
+
+def bounded_attention(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: object,
+) -> tuple[Tensor, None]:
+    """Causal attention of query (B, H, L, D) on key, value (B, Hkv, Lk, D): output (B, L, H, Dv).
+
+    attention_mask is ignored: no mask is built for this implementation, and the fold's rows
+    carry no padding.
+    """
+    hooks = _ACTIVE.get()
+    if hooks is None:
+        raise RuntimeError(f"attention {NAME!r} runs only inside longkv.fold.attention.hooked")
+    used = [name for name in UNSUPPORTED if kwargs.get(name) is not None]
+    if used:
+        raise ValueError(f"model: its attention uses {used}, which bounded caches do not support")
+    B, H, L, D = query.shape
+    Hkv, Lk = key.shape[1], key.shape[2]
+    G = H // Hkv
+    high = torch.promote_types(query.dtype, torch.float32)
+    scale = D**-0.5 if scaling is None else scaling
+    q = query.to(high).view(B, Hkv, G, L, D)
+    scores = q @ key.to(high).unsqueeze(2).transpose(-1, -2) * scale  # (B, Hkv, G, L, Lk)
+    visible = torch.ones(L, Lk, dtype=torch.bool, device=query.device).tril(Lk - L)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    layer = getattr(module, "layer_idx", 0)
+    bias = None if hooks.bias is None else hooks.bias[layer]
+    if bias is not None:
+        scores = scores + bias.to(high)[:, :, None, None, :]
+    probs = scores.softmax(dim=-1)
+    if hooks.observe:
+        hooks.seen[layer] = probs[..., -hooks.observe :, :].sum(dim=(2, 3)).float()
+    out = probs @ value.to(high).unsqueeze(2)  # (B, Hkv, G, L, Dv)
+    return out.to(value.dtype).reshape(B, H, L, -1).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(NAME, bounded_attention)
+
+
+@contextmanager
+def hooked(model: nn.Module, hooks: AttentionHooks) -> Iterator[AttentionHooks]:
+    """Run the model's attention as `bounded_attention` with these hooks, then restore it."""
+    before = model.config._attn_implementation
+    token = _ACTIVE.set(hooks)
+    model.set_attn_implementation(NAME)
+    try:
+        yield hooks
+    finally:
+        model.set_attn_implementation(before)
+        _ACTIVE.reset(token)

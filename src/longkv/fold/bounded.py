@@ -1,0 +1,304 @@
+"""Bounded caches for frozen models: sinks, a policy's middle, and an exact recent window.
+
+Per layer and KV head the cache holds at most `budget` entries: the first `sinks` tokens, the
+entries a policy keeps for the tokens that left the window (StreamingLLM: none; SnapKV: the ones
+recent queries attended to most; KVM-Fold: a state of slots), and the `window` most recent tokens,
+the chunk being read included. Positions live inside the cache, as StreamingLLM places them
+(spec kvfold.md section 5): keys are stored with their rotation undone and, for every forward,
+rotated at their cache index (sinks, then the middle, then the window); the chunk's queries take
+the next indices. So a bounded cache never needs positions past `budget`.
+
+A chunk of L tokens first moves the oldest window tokens to the policy, as many as make room for
+the chunk's own (`absorb`), then runs the model on the rebuilt cache, then keeps its keys and
+values (the first `sinks` tokens of the input become the sinks).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from transformers import DynamicCache
+
+from longkv.attention.rope import rotate
+from longkv.checks import require, setting
+from longkv.fold import compat
+from longkv.fold.attention import AttentionHooks, hooked
+from longkv.fold.fold import FoldResult, check_input, score_chunks
+from longkv.fold.generate import greedy_decode
+
+STATIC_ROPE = {"default", "linear", "llama3", "yarn"}
+
+
+def budget_refusal(model: nn.Module, budget: int) -> str | None:
+    """Why a cache of `budget` entries does not fit the model's positions, or None.
+
+    A bounded cache places its entries and the chunk it reads at positions 0 .. budget - 1,
+    never past them, so this is the only position limit it has (it never extrapolates).
+    """
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is None or budget <= limit:
+        return None
+    return (
+        f"a budget of {budget} cache positions exceeds the model's "
+        f"max_position_embeddings = {limit}"
+    )
+
+
+def check_bounded(model: nn.Module, budget: int, method: str) -> Tensor:
+    """Raise ValueError unless a cache of `budget` entries with positions inside it (the
+    `method`) can run on the model; return its RoPE inv_freq."""
+    if not compat.keeps_keys_and_values(model):
+        raise ValueError(
+            f"model: {method} evicts and re-rotates per-layer cached keys and values, but "
+            f"{type(model).__name__} carries KVM states and window caches instead; run it with "
+            "KV-Fold (its own chunked prefill) or full attention"
+        )
+    config = model.config
+    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+    inv_freq = getattr(rotary, "inv_freq", None)
+    rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+    if inv_freq is None or rope_type not in STATIC_ROPE:
+        raise ValueError(
+            f"model: {method} re-rotates cached keys, which needs one static RoPE "
+            f"(model.model.rotary_emb.inv_freq, rope_type in {sorted(STATIC_ROPE)}); "
+            f"{type(model).__name__} has rope_type {rope_type!r} and "
+            f"{'no' if inv_freq is None else 'an'} inv_freq (learned positions cannot be moved)"
+        )
+    refusal = budget_refusal(model, budget)
+    if refusal is not None:
+        raise ValueError(f"budget: {refusal}; use a smaller budget")
+    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    sliding = getattr(config, "sliding_window", None)
+    if layer_types != {"full_attention"} or (sliding is not None and budget > sliding):
+        raise ValueError(
+            f"model: has sliding-window layers ({sorted(layer_types)}, sliding_window={sliding}) "
+            f"that would cut the cache of {budget} entries; use a model with full attention "
+            "layers or a budget inside the sliding window"
+        )
+    return inv_freq.detach().to(torch.float64)
+
+
+@dataclass(frozen=True)
+class BoundedConfig:
+    """How a bounded cache splits its budget of entries per layer and KV head."""
+
+    budget: int = setting(1024, "entries per layer and KV head: sinks + middle + window")
+    sinks: int = setting(4, "first tokens kept exactly")
+    window: int | None = setting(
+        None, "most recent tokens kept exactly, the chunk being read included (default: half "
+        "the budget)"
+    )  # fmt: skip
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        require(
+            isinstance(self.budget, int) and self.budget >= 1,
+            f"{name}.budget",
+            f"must be an int >= 1, got {self.budget!r}",
+        )
+        require(
+            isinstance(self.sinks, int) and self.sinks >= 0,
+            f"{name}.sinks",
+            f"must be an int >= 0, got {self.sinks!r}",
+        )
+        require(
+            self.window is None or (isinstance(self.window, int) and self.window >= 1),
+            f"{name}.window",
+            f"must be None (half the budget) or an int >= 1, got {self.window!r}",
+        )
+        require(
+            self.window_len >= 1,
+            f"{name}.window",
+            f"the window must hold at least one token; the budget {self.budget} is too small",
+        )
+        require(
+            self.middle_len >= 0,
+            f"{name}.window",
+            f"sinks {self.sinks} + window {self.window_len} exceed the budget {self.budget}",
+        )
+
+    def require_middle(self) -> None:
+        """SettingError unless the budget leaves entries for the tokens that leave the window."""
+        require(
+            self.middle_len >= 1,
+            f"{type(self).__name__}.window",
+            f"sinks {self.sinks} + window {self.window_len} leave no entries of the budget "
+            f"{self.budget} for the tokens that leave the window; lower them or raise the budget",
+        )
+
+    def describe(self) -> str:
+        """The split of the budget, for result pages."""
+        return f"{self.sinks} sinks + {self.middle_len} middle + {self.window_len} recent"
+
+    @property
+    def window_len(self) -> int:
+        """The recent tokens kept exactly."""
+        return self.budget // 2 if self.window is None else self.window
+
+    @property
+    def middle_len(self) -> int:
+        """The most entries the policy may keep: budget - sinks - window."""
+        return self.budget - self.sinks - self.window_len
+
+
+class BoundedRunner:
+    """The cache of a bounded policy and the count of tokens read; subclasses say what the
+    middle holds (`middle`), what happens to tokens leaving the window (`absorb`) and what
+    they need from attention (`hooks`, `observed`)."""
+
+    method = "a bounded cache"
+
+    def __init__(self, model: nn.Module, config: BoundedConfig):
+        self.inv_freq = check_bounded(model, config.budget, self.method)
+        self.model, self.config = model, config
+        layers = model.config.num_hidden_layers
+        self.sink_k: list[Tensor] = [torch.empty(0)] * layers  # (B, Hkv, <= sinks, D)
+        self.sink_v: list[Tensor] = [torch.empty(0)] * layers
+        self.window_k: list[Tensor] = [torch.empty(0)] * layers  # (B, Hkv, <= window, D)
+        self.window_v: list[Tensor] = [torch.empty(0)] * layers
+        self.seen = 0  # input tokens read
+        self.cache = DynamicCache()  # the entries and chunk of the last forward, rotated
+
+    # what a policy provides
+    @property
+    def middle_count(self) -> int:
+        """Entries the middle holds now (the same in every layer)."""
+        raise NotImplementedError
+
+    def middle(self, layer: int) -> tuple[Tensor, Tensor]:
+        """Un-rotated keys (B, Hkv, M, D) and values (B, Hkv, M, Dv) of the middle."""
+        raise NotImplementedError
+
+    def absorb(self, layer: int, keys: Tensor, values: Tensor, first: int) -> None:
+        """Take the tokens first, first + 1, ... (un-rotated keys (B, Hkv, m, D), values)
+        that leave the window."""
+        raise NotImplementedError
+
+    def hooks(self, chunk: int) -> AttentionHooks | None:
+        """What the next forward of `chunk` tokens needs from attention (None: nothing)."""
+        return None
+
+    def observed(self, hooks: AttentionHooks) -> None:
+        """Read what the forward left in the hooks."""
+
+    # the cache
+    @property
+    def window_count(self) -> int:
+        return self.window_k[0].shape[2] if self.window_k[0].dim() == 4 else 0
+
+    @property
+    def position(self) -> int:
+        """Entries per layer now, which is also the cache index the next token takes."""
+        if self.seen == 0:
+            return 0
+        return self.sink_k[0].shape[2] + self.middle_count + self.window_count
+
+    def angles(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos, sin (n, R) in float64 of the model's RoPE at positions (n,) (negative: undo)."""
+        freqs = positions.to(torch.float64)[:, None] * self.inv_freq.to(positions.device)
+        freqs = torch.cat([freqs, freqs], dim=-1)
+        return freqs.cos(), freqs.sin()
+
+    def make_room(self, chunk: int) -> int:
+        """Move the oldest window tokens to the policy so the chunk fits; its tokens that go
+        to the sinks."""
+        room = self.config.window_len
+        if chunk > room:
+            raise ValueError(f"chunk of {chunk} tokens does not fit a window of {room}")
+        to_sinks = min(max(self.config.sinks - self.seen, 0), chunk)
+        excess = self.window_count + chunk - to_sinks - room
+        if excess > 0:
+            first = self.seen - self.window_count
+            for i in range(len(self.window_k)):
+                k, v = self.window_k[i], self.window_v[i]
+                self.absorb(i, k[:, :, :excess], v[:, :, :excess], first)
+                self.window_k[i], self.window_v[i] = k[:, :, excess:], v[:, :, excess:]
+        return to_sinks
+
+    def build_cache(self) -> DynamicCache:
+        """The entries of every layer rotated at their cache index."""
+        cache = DynamicCache()
+        n = self.position
+        if n == 0:
+            return cache
+        device = self.sink_k[0].device
+        cos, sin = self.angles(torch.arange(n, device=device))
+        for i in range(len(self.sink_k)):
+            mid_k, mid_v = self.middle(i)
+            dtype = self.window_k[i].dtype
+            k = torch.cat([self.sink_k[i], mid_k.to(dtype), self.window_k[i]], dim=2)
+            v = torch.cat([self.sink_v[i], mid_v.to(dtype), self.window_v[i]], dim=2)
+            cache.update(rotate(k.double(), cos, sin).to(dtype), v, i)
+        return cache
+
+    def keep_chunk(self, cache: DynamicCache, n: int, to_sinks: int) -> None:
+        """Un-rotate the chunk's keys (cache indices n, n + 1, ...) and keep them."""
+        L = cache.layers[0].keys.shape[2] - n
+        cos, sin = self.angles(-torch.arange(n, n + L, device=cache.layers[0].keys.device))
+        first = self.seen == 0
+        for i, layer in enumerate(cache.layers):
+            k = rotate(layer.keys[:, :, n:].double(), cos, sin).to(layer.keys.dtype)
+            v = layer.values[:, :, n:]
+            if first:
+                self.sink_k[i], self.sink_v[i] = k[:, :, :0], v[:, :, :0]
+                self.window_k[i], self.window_v[i] = k[:, :, :0], v[:, :, :0]
+            self.sink_k[i] = torch.cat([self.sink_k[i], k[:, :, :to_sinks]], dim=2)
+            self.sink_v[i] = torch.cat([self.sink_v[i], v[:, :, :to_sinks]], dim=2)
+            self.window_k[i] = torch.cat([self.window_k[i], k[:, :, to_sinks:]], dim=2)
+            self.window_v[i] = torch.cat([self.window_v[i], v[:, :, to_sinks:]], dim=2)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        """Logits (B, L, V) of ids (B, L) at the next cache indices, after making room."""
+        B, L = ids.shape
+        to_sinks = self.make_room(L)
+        n = self.position
+        cache = self.build_cache()
+        pos = torch.arange(n, n + L, device=ids.device).expand(B, L)
+        hooks = self.hooks(L)
+        with nullcontext() if hooks is None else hooked(self.model, hooks):
+            logits = compat.forward(self.model, ids, pos, cache)
+        self.keep_chunk(cache, n, to_sinks)
+        self.seen += L
+        if hooks is not None:
+            self.observed(hooks)
+        self.cache = cache
+        return logits
+
+
+def bounded_fold(
+    runner: BoundedRunner,
+    input_ids: Tensor,
+    chunk_size: int,
+    *,
+    return_logits: bool = False,
+    progress: bool = False,
+) -> FoldResult:
+    """Feed input_ids (B, T) through a bounded runner chunk by chunk; nll and logits as for
+    `kv_fold` (the result's cache: the entries and chunk of the last forward)."""
+    check_input(input_ids, chunk_size)
+    if chunk_size > runner.config.window_len:
+        raise ValueError(
+            f"chunk_size: {chunk_size} exceeds the window {runner.config.window_len}; a chunk "
+            "must fit the window it is read in"
+        )
+    return score_chunks(
+        runner, input_ids, chunk_size,
+        return_logits=return_logits, progress=progress, desc=runner.method,
+    )  # fmt: skip
+
+
+def bounded_generate(
+    runner: BoundedRunner,
+    input_ids: Tensor,
+    chunk_size: int,
+    max_new_tokens: int,
+    *,
+    eos_token_id: int | None = None,
+    progress: bool = False,
+) -> Tensor:
+    """Read a prompt (B, T) through the runner, then greedy-decode (B, n) from its cache."""
+    run = bounded_fold(runner, input_ids, chunk_size, progress=progress)
+    return greedy_decode(runner.forward, run.last_logits, max_new_tokens, eos_token_id)

@@ -1,0 +1,168 @@
+"""KVM-Fold: a frozen model over a long input in bounded memory, with a KVM state of what left
+the window.
+
+Per layer and KV head the cache is sinks | slots | window (`longkv.fold.bounded`). Tokens that
+leave the window update the slots by the rules of `longkv.fold.kvm_state`: the most novel
+become new slots while the state's budget grows, the others merge into their most similar slot.
+The budget of slots follows spec kvm.md section 6 (`desired_state_len`), capped at the entries
+the cache leaves for the middle (budget - sinks - window).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from longkv.checks import require, setting
+from longkv.fold.attention import AttentionHooks
+from longkv.fold.bounded import BoundedConfig, BoundedRunner, bounded_fold
+from longkv.fold.fold import FoldResult
+from longkv.fold.kvm_state import READOUTS, FoldState, empty_state, read_slots, update_state
+from longkv.kvm.config import KVMConfig, desired_state_len
+
+STATES = ("fixed", "sqrt", "saturation")
+
+
+@dataclass(frozen=True)
+class KVMFoldConfig(BoundedConfig):
+    """A bounded cache whose middle is a KVM state of slots."""
+
+    state: str = setting(
+        "fixed",
+        "slots the state may hold: fixed (all of the middle from the start), sqrt "
+        "(growth_factor * sqrt(tokens read)) or saturation (n * tokens / (n + tokens)), each "
+        "capped at the middle",
+        choices=STATES,
+    )
+    growth_factor: float = setting(4.0, "sqrt: slots per sqrt(token read)")
+    saturation_n: int = setting(1024, "saturation: the n of n * tokens / (n + tokens)")
+    readout: str = setting(
+        "founder",
+        "how a slot is read: founder (the unit mean key and value scaled to the founding "
+        "token's norms) or mean (the mean key and value of its tokens)",
+        choices=READOUTS,
+    )
+    count_bias: bool = setting(
+        False, "add log(count) to a slot's logits, so a slot of n tokens weighs like n of them"
+    )
+    merge_threshold: float | None = setting(
+        None,
+        "cosine similarity below which a leaving token is dropped instead of merged into its "
+        "most similar slot (default: every token merges)",
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.require_middle()
+        require(self.state in STATES, "KVMFoldConfig.state", f"must be one of {STATES}")
+        require(self.readout in READOUTS, "KVMFoldConfig.readout", f"must be one of {READOUTS}")
+        require(
+            self.merge_threshold is None or -1 <= self.merge_threshold <= 1,
+            "KVMFoldConfig.merge_threshold",
+            f"a cosine similarity lies in [-1, 1], got {self.merge_threshold!r}",
+        )
+        self.budget_rule  # noqa: B018  (growth_factor and saturation_n checked there)
+
+    def describe(self) -> str:
+        growth = {
+            "fixed": "fixed",
+            "sqrt": f"sqrt, {self.growth_factor:g} per sqrt(token)",
+            "saturation": f"saturation n={self.saturation_n}",
+        }[self.state]
+        options = [f"{self.readout} read-out"]
+        if self.count_bias:
+            options.append("log(count) bias")
+        if self.merge_threshold is not None:
+            options.append(f"merges above cosine {self.merge_threshold:g}")
+        return (
+            f"{self.sinks} sinks + up to {self.middle_len} slots ({growth}; "
+            f"{', '.join(options)}) + {self.window_len} recent"
+        )
+
+    @functools.cached_property
+    def budget_rule(self) -> KVMConfig:
+        """The state budget as a KVMConfig for `desired_state_len` (C = 1, no sinks, no cap)."""
+        kind = {"fixed": "fixed", "sqrt": "power_law", "saturation": "saturation"}[self.state]
+        return KVMConfig(
+            chunk_len=1, window_chunks=1, sink_len=0, budget=kind,  # type: ignore[arg-type]
+            state_min_len=self.middle_len if self.state == "fixed" else 1,
+            growth_factor=self.growth_factor, growth_exponent=0.5,
+            saturation_n=self.saturation_n, max_state_chunks=None,
+        )  # fmt: skip
+
+    def state_len(self, tokens: int, avail: int, cur: int) -> int:
+        """Slots after an update, with `tokens` read and `avail` tokens summarised by then."""
+        return min(desired_state_len(self.budget_rule, tokens, avail, cur), self.middle_len)
+
+
+class KVMFoldRunner(BoundedRunner):
+    """A bounded cache with a KVM state per layer; `track` keeps where each leaving token went
+    (`destinations`)."""
+
+    method = "KVM-Fold"
+    config: KVMFoldConfig
+
+    def __init__(self, model: nn.Module, config: KVMFoldConfig, track: bool = False):
+        super().__init__(model, config)
+        layers = model.config.num_hidden_layers
+        self.states: list[FoldState | None] = [None] * layers
+        self.track = track
+        # per layer: (first token, dest (B, Hkv, m)) of every update, when tracked
+        self.destinations: list[list[tuple[int, Tensor]]] = [[] for _ in range(layers)]
+
+    @property
+    def middle_count(self) -> int:
+        state = self.states[0]
+        return 0 if state is None else state.num_slots
+
+    def middle(self, layer: int) -> tuple[Tensor, Tensor]:
+        state = self.states[layer]
+        if state is None:
+            k, v = self.window_k[layer], self.window_v[layer]
+            return k[:, :, :0], v[:, :, :0]
+        return read_slots(state, self.config.readout)
+
+    def absorb(self, layer: int, keys: Tensor, values: Tensor, first: int) -> None:
+        state = self.states[layer]
+        state = empty_state(keys, values) if state is None else state
+        sinks = self.sink_k[layer]
+        m = keys.shape[2]
+        target = self.config.state_len(self.seen, first + m - sinks.shape[2], state.num_slots)
+        state, dest = update_state(
+            state, keys, values, first, target, sinks, self.config.merge_threshold
+        )
+        self.states[layer] = state
+        if self.track:
+            self.destinations[layer].append((first, dest))
+
+    def hooks(self, chunk: int) -> AttentionHooks | None:
+        if not self.config.count_bias or self.middle_count == 0:
+            return None
+        bias: list[Tensor | None] = []
+        for i, state in enumerate(self.states):
+            assert state is not None
+            zeros = state.count.new_zeros
+            B, Hkv = state.count.shape[:2]
+            tail = self.window_count + chunk
+            s = self.sink_k[i].shape[2]
+            bias.append(torch.cat([zeros(B, Hkv, s), state.count.log(), zeros(B, Hkv, tail)], 2))
+        return AttentionHooks(bias=bias)
+
+
+def kvm_fold(
+    model: nn.Module,
+    input_ids: Tensor,
+    config: KVMFoldConfig | None = None,
+    chunk_size: int = 64,
+    *,
+    return_logits: bool = False,
+    progress: bool = False,
+) -> FoldResult:
+    """Read input_ids (B, T) through KVM-Fold from an empty cache, chunk by chunk."""
+    runner = KVMFoldRunner(model, config or KVMFoldConfig())
+    return bounded_fold(
+        runner, input_ids, chunk_size, return_logits=return_logits, progress=progress
+    )

@@ -1,0 +1,136 @@
+"""The methods a command runs a frozen model with, and the options of the bounded ones.
+
+`full` (one forward) and `fold` (KV-Fold) keep every token; `streaming`, `snapkv` and
+`kvm-fold` keep at most a budget of entries per layer and KV head, and run once per budget in
+`budgets` (kvm-fold also once per state budget in `kvm_states`). Each run has a label:
+`streaming@1024`, `snapkv@1024`, `kvm-fold/sqrt@1024`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from longkv.checks import SettingError, require, require_at_least, setting
+from longkv.fold.bounded import BoundedConfig, BoundedRunner
+from longkv.fold.kvm_fold import STATES, KVMFoldConfig, KVMFoldRunner
+from longkv.fold.kvm_state import READOUTS
+from longkv.fold.snapkv import SnapKVConfig, SnapKVRunner
+from longkv.fold.streaming import StreamingRunner
+
+BOUNDED = ("streaming", "snapkv", "kvm-fold")
+METHODS = ("full", "fold", *BOUNDED)
+# the option behind each field of a bounded method's config
+OPTION_OF = {
+    "budget": "budgets",
+    "sinks": "sinks",
+    "window": "window",
+    "state": "kvm_states",
+    "growth_factor": "kvm_growth_factor",
+    "readout": "kvm_readout",
+    "count_bias": "kvm_count_bias",
+    "merge_threshold": "kvm_merge_threshold",
+}
+
+
+@dataclass(frozen=True)
+class BoundedOptions:
+    """Options of the bounded methods (settings classes of commands inherit them)."""
+
+    budgets: tuple[int, ...] = setting(
+        (1024,),
+        "entries per layer and KV head of the bounded methods (streaming, snapkv, kvm-fold), "
+        "each run once per budget",
+    )
+    sinks: int = setting(4, "first tokens the bounded methods keep")
+    window: int | None = setting(
+        None,
+        "recent tokens snapkv and kvm-fold keep exactly, the chunk included (default: half the "
+        "budget); streaming keeps budget - sinks",
+    )
+    stream_chunk: int = setting(64, "chunk of the bounded methods (1 = token by token)")
+    kvm_states: tuple[str, ...] = setting(
+        ("fixed",), "state budgets of kvm-fold, each run once", choices=STATES
+    )
+    kvm_growth_factor: float = setting(4.0, "kvm-fold sqrt: slots per sqrt(token read)")
+    kvm_readout: str = setting(
+        "founder",
+        "kvm-fold slot read-out: founder (unit mean scaled to the founding token's norms) or mean",
+        choices=READOUTS,
+    )
+    kvm_count_bias: bool = setting(False, "kvm-fold: add log(count) to each slot's logits")
+    kvm_merge_threshold: float | None = setting(
+        None, "kvm-fold: drop a leaving token whose best cosine similarity is below this"
+    )
+
+    def bounded_configs(self, methods: tuple[str, ...]) -> dict[str, BoundedConfig]:
+        """The config of every bounded run of `methods`, by label; a bad option is a
+        SettingError naming it."""
+        owner = type(self).__name__
+        require_at_least(1, owner, self, "budgets", "stream_chunk")
+        require_at_least(0, owner, self, "sinks")
+        require(
+            self.window is None or self.window >= 1,
+            f"{owner}.window",
+            f"must be >= 1 (or unset: half the budget), got {self.window}",
+        )
+        configs: dict[str, BoundedConfig] = {}
+        for budget in self.budgets:
+            try:
+                if "streaming" in methods:
+                    require(
+                        budget > self.sinks,
+                        f"{owner}.budgets",
+                        f"{budget} leaves no window for streaming beside {self.sinks} sinks",
+                    )
+                    configs[f"streaming@{budget}"] = BoundedConfig(
+                        budget=budget, sinks=self.sinks, window=budget - self.sinks
+                    )
+                if "snapkv" in methods:
+                    configs[f"snapkv@{budget}"] = SnapKVConfig(
+                        budget=budget, sinks=self.sinks, window=self.window
+                    )
+                for state in self.kvm_states if "kvm-fold" in methods else ():
+                    configs[f"kvm-fold/{state}@{budget}"] = KVMFoldConfig(
+                        budget=budget, sinks=self.sinks, window=self.window, state=state,
+                        growth_factor=self.kvm_growth_factor, readout=self.kvm_readout,
+                        count_bias=self.kvm_count_bias, merge_threshold=self.kvm_merge_threshold,
+                    )  # fmt: skip
+            except SettingError as err:
+                if err.field.startswith(owner):
+                    raise
+                option = OPTION_OF[err.field.split(".")[-1]]
+                raise SettingError(f"{owner}.{option}", f"budget {budget}: {err.message}") from err
+        for label, config in configs.items():
+            require(
+                self.stream_chunk <= config.window_len,
+                f"{owner}.stream_chunk",
+                f"{self.stream_chunk} exceeds the window of {label} ({config.window_len} tokens)",
+            )
+        return configs
+
+    def labels(self, methods: tuple[str, ...]) -> list[str]:
+        """Every run of `methods` in order: full and fold by name, bounded ones by label."""
+        bounded = self.bounded_configs(methods)
+        out: list[str] = []
+        for method in methods:
+            if method in BOUNDED:
+                out += [label for label in bounded if label.split("@")[0].split("/")[0] == method]
+            else:
+                out.append(method)
+        return out
+
+
+def make_runner(model: nn.Module, config: BoundedConfig) -> BoundedRunner:
+    """A fresh runner of a bounded config (its class says which method)."""
+    if isinstance(config, KVMFoldConfig):
+        return KVMFoldRunner(model, config)
+    if isinstance(config, SnapKVConfig):
+        return SnapKVRunner(model, config)
+    return StreamingRunner(model, config.sinks, config.window_len)
+
+
+def describe_runs(configs: dict[str, BoundedConfig]) -> str:
+    """One phrase per bounded run: its label and how it splits its budget."""
+    return "; ".join(f"{label}: {config.describe()}" for label, config in configs.items())

@@ -1,0 +1,134 @@
+"""SnapKV-style eviction for chunked input: keep the sinks, the window and the entries the most
+recent queries attend to most.
+
+After each forward, the last `observe` queries' attention probabilities, summed over those
+queries and over the query heads that share a KV head, score every kept and window entry
+(average-pooled over `pool` neighbouring entries, as SnapKV pools, so a span is kept whole).
+Before the next chunk, the tokens leaving the window join the kept entries and the
+budget - sinks - window best scored of them stay, in time order; the rest are evicted.
+Positions live inside the cache (`longkv.fold.bounded`), where SnapKV keeps its prompt's
+positions: a bounded cache must not run past the positions the model was trained on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from longkv.checks import require, setting
+from longkv.fold.attention import AttentionHooks
+from longkv.fold.bounded import BoundedConfig, BoundedRunner, bounded_fold
+from longkv.fold.fold import FoldResult
+
+
+@dataclass(frozen=True)
+class SnapKVConfig(BoundedConfig):
+    """A bounded cache whose middle holds the best-attended tokens that left the window."""
+
+    observe: int = setting(32, "last queries of each forward whose attention scores the entries")
+    pool: int = setting(5, "width of the average pool over neighbouring scores (odd, 1 = none)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.require_middle()
+        require(
+            isinstance(self.observe, int) and self.observe >= 1,
+            "SnapKVConfig.observe",
+            f"must be an int >= 1, got {self.observe!r}",
+        )
+        require(
+            isinstance(self.pool, int) and self.pool >= 1 and self.pool % 2 == 1,
+            "SnapKVConfig.pool",
+            f"must be an odd int >= 1 (the pool is centred on each entry), got {self.pool!r}",
+        )
+
+    def describe(self) -> str:
+        return (
+            f"{self.sinks} sinks + {self.middle_len} best-attended (last {self.observe} "
+            f"queries, pool {self.pool}) + {self.window_len} recent"
+        )
+
+
+def keep_best(scores: Tensor, k: int) -> Tensor:
+    """Indices (B, Hkv, min(k, N)) of the k highest scores (B, Hkv, N), in ascending order
+    (earlier entries first among equal scores)."""
+    k = min(k, scores.shape[-1])
+    best = scores.argsort(dim=-1, descending=True, stable=True)[..., :k]
+    return best.sort(dim=-1).values
+
+
+def pooled(scores: Tensor, width: int) -> Tensor:
+    """scores (B, Hkv, N) averaged over `width` neighbours (fewer at the ends)."""
+    if width == 1 or scores.shape[-1] == 0:
+        return scores
+    B, Hkv, N = scores.shape
+    flat = F.avg_pool1d(
+        scores.reshape(B * Hkv, 1, N), width, stride=1, padding=width // 2,
+        count_include_pad=False,
+    )  # fmt: skip
+    return flat.view(B, Hkv, N)
+
+
+class SnapKVRunner(BoundedRunner):
+    """A bounded cache that keeps the best-attended tokens that left the window."""
+
+    method = "SnapKV"
+    config: SnapKVConfig
+
+    def __init__(self, model: nn.Module, config: SnapKVConfig):
+        super().__init__(model, config)
+        layers = model.config.num_hidden_layers
+        self.kept_k: list[Tensor | None] = [None] * layers  # (B, Hkv, M, D)
+        self.kept_v: list[Tensor | None] = [None] * layers
+        self.scores: list[Tensor] = [torch.empty(0)] * layers  # (B, Hkv, M + window)
+
+    @property
+    def middle_count(self) -> int:
+        kept = self.kept_k[0]
+        return 0 if kept is None else kept.shape[2]
+
+    def middle(self, layer: int) -> tuple[Tensor, Tensor]:
+        k, v = self.kept_k[layer], self.kept_v[layer]
+        if k is None or v is None:
+            w_k, w_v = self.window_k[layer], self.window_v[layer]
+            return w_k[:, :, :0], w_v[:, :, :0]
+        return k, v
+
+    def absorb(self, layer: int, keys: Tensor, values: Tensor, first: int) -> None:
+        kept_k, kept_v = self.middle(layer)
+        cand_k, cand_v = torch.cat([kept_k, keys], 2), torch.cat([kept_v, values], 2)
+        n = cand_k.shape[2]
+        scores = self.scores[layer]
+        best = keep_best(scores[:, :, :n], self.config.middle_len)
+        self.kept_k[layer] = cand_k.gather(2, best.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1]))
+        self.kept_v[layer] = cand_v.gather(
+            2, best.unsqueeze(-1).expand(-1, -1, -1, values.shape[-1])
+        )
+        self.scores[layer] = torch.cat([scores.gather(2, best), scores[:, :, n:]], dim=2)
+
+    def hooks(self, chunk: int) -> AttentionHooks:
+        return AttentionHooks(observe=min(self.config.observe, chunk))
+
+    def observed(self, hooks: AttentionHooks) -> None:
+        for i in range(len(self.scores)):
+            s = self.sink_k[i].shape[2]
+            self.scores[i] = pooled(hooks.seen[i][:, :, s:], self.config.pool)
+
+
+def snapkv(
+    model: nn.Module,
+    input_ids: Tensor,
+    config: SnapKVConfig | None = None,
+    chunk_size: int = 64,
+    *,
+    return_logits: bool = False,
+    progress: bool = False,
+) -> FoldResult:
+    """Read input_ids (B, T) through SnapKV-style eviction from an empty cache, chunk by chunk."""
+    runner = SnapKVRunner(model, config or SnapKVConfig())
+    return bounded_fold(
+        runner, input_ids, chunk_size, return_logits=return_logits, progress=progress
+    )
