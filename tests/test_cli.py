@@ -25,6 +25,7 @@ from longkv.bench.train import TrainBenchSettings
 from longkv.cli import fold as fold_cli
 from longkv.cli import niah as niah_cli
 from longkv.cli.args import build_settings
+from longkv.cli.bounded import FATES
 from longkv.cli.main import COMMANDS, build_parser, main
 from longkv.evals import runner
 from longkv.evals.runner import NiahSettings
@@ -192,7 +193,7 @@ def test_results_go_to_the_untracked_folder_by_default() -> None:
                 if "--out-dir" in action.option_strings:
                     defaults.append((name, action.default))
     assert {name for name, _ in defaults} == {
-        "niah", "fold", "drift", "bench kvm", "bench train", "compare-runs", "study"
+        "niah", "fold", "drift", "bench kvm", "bench train", "compare-runs", "study", "bounded"
     }  # fmt: skip
     assert all(default == OUT_DIR for _, default in defaults), defaults
 
@@ -250,6 +251,65 @@ def test_niah_without_both_fold_and_full_claims_no_agreement(
         assert "full attention" not in text and "KV-Fold" not in text, text
     assert "fold_equals_full" not in saved
     assert "| passkey | streaming@64 |" in page
+
+
+def test_bounded_compares_every_bounded_run_on_one_page(
+    tiny_model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def argv(answer: int, out: Path) -> list[str]:
+        return [
+            "bounded", "--model", tiny_model, "--nll-tokens", "100", "200", "--tasks", "passkey",
+            "--lengths", "300", "--depths", "0.5", "--methods", "full", "streaming", "snapkv",
+            "kvm-fold", "--budgets", "64", "128", "--kvm-states", "fixed", "sqrt",
+            "--stream-chunk", "16", "--max-new-tokens", str(answer), "--out-dir", str(out),
+            "--name", "b",
+        ]  # fmt: skip
+
+    runs = [
+        "full", "streaming@64", "streaming@128", "snapkv@64", "snapkv@128",
+        "kvm-fold/fixed@64", "kvm-fold/sqrt@64", "kvm-fold/fixed@128", "kvm-fold/sqrt@128",
+    ]  # fmt: skip
+    # an interrupted run left the 100-token NLL behind: it is kept, not measured again
+    assert main(argv(1, tmp_path / "x")) == 0
+    first = json.loads((tmp_path / "x" / "b.json").read_text())
+    settings = {**first["settings"], "max_new_tokens": 2}
+    kept = {"100": first["nll"]["100"]}
+    (tmp_path / "b.nll.json").write_text(json.dumps({"settings": settings, "reports": kept}))
+    # kvm-fold's answers were given by a niah run of the same grid in another process
+    niah = [
+        "niah", "--model", tiny_model, "--tasks", "passkey", "--lengths", "300", "--depths",
+        "0.5", "--methods", "kvm-fold", "--budgets", "64", "128", "--kvm-states", "fixed",
+        "sqrt", "--stream-chunk", "16", "--max-new-tokens", "2", "--out-dir",
+        str(tmp_path / "x"), "--name", "b",
+    ]  # fmt: skip
+    assert main(niah) == 0
+    other = tmp_path / "x" / "b.json"
+    elsewhere = json.loads(other.read_text())["records"]
+    data = json.loads(other.read_text())
+    data["settings"]["depths"] = [0.25]
+    (tmp_path / "x" / "c.json").write_text(json.dumps(data))
+    assert main([*argv(2, tmp_path), "--niah-records", str(tmp_path / "x" / "c.json")]) == 2
+    said = capsys.readouterr().err
+    assert "error: argument --methods: " in said and "(['depths'] differ)" in said
+    assert main([*argv(2, tmp_path), "--niah-records", str(other)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "b.json",
+        "b.md",
+        "b.png",
+        "b_budget.png",
+        "x",
+    ]  # the partial files are gone
+    saved = json.loads((tmp_path / "b.json").read_text())
+    assert saved["nll"]["100"] == kept["100"]
+    assert [r["method"] for r in saved["nll"]["200"]["runs"]] == runs
+    assert sorted(r["method"] for r in saved["niah"]["records"]) == sorted(runs)
+    assert [r for r in saved["niah"]["records"] if r["method"].startswith("kvm")] == elsewhere
+    fates = [r["needle_fate"] for r in saved["niah"]["records"] if r["needle_fate"]]
+    assert len(fates) == 4 and all(abs(sum(f[k] for k in FATES) - 1) < 1e-9 for f in fates)
+    page = (tmp_path / "b.md").read_text()
+    for text in ("| kvm-fold/sqrt@128 |", "### Peak memory against length", "tokens per founded"):
+        assert text in page
+    assert "- 4 needle answers from `longkv niah --model" in page
 
 
 def test_niah_with_fold_and_full_says_whether_they_agree(

@@ -89,12 +89,12 @@ def test_the_most_novel_tokens_found_slots_and_the_rest_merge() -> None:
     assert dest.tolist() == [[[0, 2, 1, 3]]]
     assert new.founder.tolist() == [[[0, 1, 3, 5]]]
     assert new.count.tolist() == [[[2.0, 2.0, 1.0, 1.0]]]
-    keys_read, values_read = read_slots(new)
+    keys_read, values_read = read_slots(new, "founder")
     torch.testing.assert_close(keys_read[0, 0, 3], 3 * e[3], rtol=0, atol=1e-15)
     torch.testing.assert_close(values_read[0, 0, 2], values[0, 0, 1], rtol=0, atol=1e-15)
     # founder read-out keeps the founder's norm; mean read-out averages
     torch.testing.assert_close(keys_read[0, 0, 0].norm(), torch.tensor(2.0, dtype=torch.float64))
-    mean_k, _ = read_slots(new, "mean")
+    mean_k, _ = read_slots(new)
     torch.testing.assert_close(mean_k[0, 0, 0], (2 * e[0] + keys[0, 0, 0]) / 2)
 
 

@@ -17,7 +17,7 @@ from longkv.cli.args import DECLARED, HelpFormatter, build_settings, declared
 COMMANDS: dict[str, tuple[str, str]] = {
     "niah": (
         "longkv.cli.niah",
-        "needle in a haystack: full vs fold vs streaming; JSON, table and heatmap",
+        "needle in a haystack: full, fold and bounded caches; JSON, table and heatmap",
     ),
     "fold": (
         "longkv.cli.fold",
@@ -26,6 +26,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "drift": (
         "longkv.cli.fold",
         "per-chunk drift of the fold against one full forward, as a table and a PNG",
+    ),
+    "bounded": (
+        "longkv.cli.bounded",
+        "bounded caches (streaming, snapkv, kvm-fold) against full: NLL, memory, needles",
     ),
     "bench": ("longkv.cli.bench", "speed and memory benchmarks: bench kvm, bench train"),
     "train": ("longkv.cli.train", "train a longkv language model from a YAML run"),

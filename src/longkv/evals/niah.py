@@ -215,6 +215,21 @@ class NiahSample:
     seed: int
 
 
+def answer_span(tokenizer: Any, sample: NiahSample, i: int = 0) -> tuple[int, int]:
+    """Token range [lo, hi) of `sample.input_ids` that spells answers[i] in its needle: the
+    shortest range after the needle's start whose decoded text holds the answer."""
+    ids, answer = sample.input_ids, sample.answers[i]
+    start = hi = sample.needle_positions[i]
+    while answer not in tokenizer.decode(ids[start:hi]):
+        if hi == len(ids):
+            raise ValueError(f"answer {answer!r} not found after token {start}")
+        hi += 1
+    lo = hi - 1
+    while answer not in tokenizer.decode(ids[lo:hi]):
+        lo -= 1
+    return lo, hi
+
+
 def sample_score(prediction: str, answers: Sequence[str]) -> float:
     """Fraction (0..1) of `answers` found in `prediction` (case-insensitive substring)."""
     if not answers:

@@ -23,11 +23,19 @@ from torch import nn
 from tqdm import tqdm
 
 from longkv.checks import SettingError, require, require_at_least, setting
-from longkv.evals.niah import ANSWER_BUDGET, TASKS, NiahSample, make_sample, sample_score
+from longkv.evals.niah import (
+    ANSWER_BUDGET,
+    TASKS,
+    NiahSample,
+    answer_span,
+    make_sample,
+    sample_score,
+)
 from longkv.fold.bounded import bounded_generate, budget_refusal, check_bounded
 from longkv.fold.fold import CLI_SWITCH, check_foldable, position_refusal
 from longkv.fold.generate import fold_generate
-from longkv.fold.methods import METHODS, BoundedOptions, make_runner
+from longkv.fold.kvm_fold import KVMFoldRunner
+from longkv.fold.methods import METHODS, BoundedOptions, make_runner, split_label
 from longkv.results import pyplot, save_figure, write_atomic
 
 
@@ -88,6 +96,8 @@ class NiahRecord:
     tokens: list[int]
     score: float
     seconds: float
+    # kvm-fold: where the tokens spelling the first answer went (`KVMFoldRunner.fates`)
+    needle_fate: dict[str, float] | None = None
 
     @property
     def key(self) -> tuple[str, int, float, int, str]:
@@ -130,21 +140,26 @@ def answer(
     s: NiahSettings,
     eos: int | None,
     allow_extrapolation: bool = False,
-) -> list[int]:
-    """Greedy answer tokens of one method run (a label of `s.runs`) to the prompt ids (1, T);
+    span: tuple[int, int] | None = None,
+) -> tuple[list[int], dict[str, float] | None]:
+    """Greedy answer tokens of one method run (a label of `s.runs`) to the prompt ids (1, T),
+    and for kvm-fold where the tokens of `span` went (`KVMFoldRunner.fates`; else None).
+
     allow_extrapolation lets full and fold run a RoPE model past its max_position_embeddings
     (`fold_generate`)."""
-    n = s.max_new_tokens
+    n, fate = s.max_new_tokens, None
     if method in ("full", "fold"):
         size = ids.shape[1] if method == "full" else s.chunk_size
         out = fold_generate(
             model, ids, size, n, eos_token_id=eos, allow_extrapolation=allow_extrapolation
         )
     else:
-        runner = make_runner(model, s.bounded_configs(s.methods)[method])
+        runner = make_runner(model, s.bounded_configs(s.methods)[method], track=True)
         out = bounded_generate(runner, ids, s.stream_chunk, n, eos_token_id=eos)
+        if isinstance(runner, KVMFoldRunner) and span is not None:
+            fate = runner.fates(*span)
     tokens = out[0].tolist()
-    return tokens[: tokens.index(eos)] if eos is not None and eos in tokens else tokens
+    return tokens[: tokens.index(eos)] if eos is not None and eos in tokens else tokens, fate
 
 
 def run_niah(
@@ -155,12 +170,14 @@ def run_niah(
     provenance: dict[str, Any] | None = None,
     corpus_dir: str | None = None,
     allow_extrapolation: bool = False,
+    reuse: list[NiahRecord] | None = None,
 ) -> NiahRun:
     """Answer every sample of the grid with every method; save after each answer.
 
     The whole grid is checked first (`check_grid`, then every prompt is built), so a setting
     the model or a task cannot run fails before the first answer. allow_extrapolation lets
-    full attention and the fold run a RoPE model past its max_position_embeddings.
+    full attention and the fold run a RoPE model past its max_position_embeddings. reuse:
+    answers given elsewhere to this grid (`reusable_records`), taken instead of answering.
     """
     cells = [
         (task, n, d, s.seed + i)
@@ -173,6 +190,8 @@ def run_niah(
     saved = NiahRun.resume(path, s)
     if len(saved) == len(cells) * len(runs):  # finished: measure again
         saved = []
+    known = {r.key for r in saved}
+    saved += [r for r in reuse or [] if r.key not in known]
     run = NiahRun(settings=s, records=saved, provenance=provenance or {})
     done = {r.key for r in run.records}
     todo = {c: [m for m in runs if (*c, m) not in done] for c in cells}
@@ -182,9 +201,10 @@ def run_niah(
     progress = tqdm(total=len(cells) * len(runs) - len(done), desc="niah", unit="answer")
     for (task, n, d, seed), sample in samples.items():
         ids = torch.tensor([sample.input_ids], device=model.get_input_embeddings().weight.device)
+        span = answer_span(tokenizer, sample)
         for method in todo[(task, n, d, seed)]:
             t0 = time.perf_counter()
-            tokens = answer(model, ids, method, s, eos, allow_extrapolation)
+            tokens, fate = answer(model, ids, method, s, eos, allow_extrapolation, span)
             prediction = tokenizer.decode(tokens, skip_special_tokens=True)
             run.records.append(
                 NiahRecord(
@@ -198,6 +218,7 @@ def run_niah(
                     tokens=tokens,
                     score=sample_score(prediction, sample.answers),
                     seconds=time.perf_counter() - t0,
+                    needle_fate=fate,
                 )
             )
             run.save(path)
@@ -205,6 +226,28 @@ def run_niah(
     progress.close()
     run.save(path)
     return run
+
+
+# the settings that choose which methods run; the others must agree for answers to be reused
+RUN_FIELDS = ("methods", "budgets", "kvm_states")
+
+
+def reusable_records(path: Path, s: NiahSettings) -> tuple[list[NiahRecord], dict[str, Any]]:
+    """The answers in a niah result file (`NiahRun.save`) to runs of this grid, and the file's
+    provenance; a SettingError if the file's grid or method options differ from these."""
+    data = json.loads(path.read_text())
+    ours = json.loads(json.dumps(asdict(s)))
+    theirs = data["settings"]
+    differ = sorted(k for k in ours if k not in RUN_FIELDS and theirs.get(k) != ours[k])
+    require(
+        not differ,
+        "NiahSettings.methods",
+        f"{path} answered another grid or other method options ({differ} differ); its answers "
+        "cannot be reused",
+    )
+    runs = set(s.runs)
+    records = [NiahRecord(**r) for r in data["records"] if r["method"] in runs]
+    return records, data.get("provenance", {})
 
 
 def check_grid(model: nn.Module, s: NiahSettings, allow_extrapolation: bool = False) -> None:
@@ -336,3 +379,38 @@ def heatmap(run: NiahRun, path: Path) -> None:
                 ax.set_ylabel("needle depth")
     fig.colorbar(image, ax=axes, shrink=0.8, label="string_match_all")
     save_figure(fig, path, dpi=100)
+
+
+def budget_plot(run: NiahRun, path: Path) -> None:
+    """One panel per task: score (0-100, over lengths and depths) against the budget of each
+    bounded method, the unbounded methods as horizontal lines."""
+    plt = pyplot()
+    s = run.settings
+    scores = mean_scores(run.records, lambda r: (r.task, r.method))
+    fig, axes = plt.subplots(
+        1, len(s.tasks), figsize=(4.2 * len(s.tasks), 3.4), squeeze=False, layout="constrained"
+    )
+    budgets = sorted(s.budgets)
+    for ax, task in zip(axes[0], s.tasks, strict=True):
+        lines: dict[str, list[tuple[int, float]]] = {}
+        for label in s.runs:
+            name, budget = split_label(label)
+            score = scores.get((task, label))
+            if score is None:
+                continue
+            if budget is None:
+                ax.axhline(score, linestyle="--", color="gray" if name == "full" else "black",
+                           label=name)  # fmt: skip
+            else:
+                lines.setdefault(name, []).append((budget, score))
+        for name, points in lines.items():
+            points.sort()
+            ax.plot([b for b, _ in points], [v for _, v in points], marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(budgets, [str(b) for b in budgets])
+        ax.set_ylim(-5, 105)
+        ax.set_title(task, fontsize=9)
+        ax.set_xlabel("entries per layer and KV head")
+        ax.set_ylabel("string_match_all")
+    axes[0][-1].legend(fontsize=7, loc="lower right")
+    save_figure(fig, path)

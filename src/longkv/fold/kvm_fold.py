@@ -20,7 +20,14 @@ from longkv.checks import require, setting
 from longkv.fold.attention import AttentionHooks
 from longkv.fold.bounded import BoundedConfig, BoundedRunner, bounded_fold
 from longkv.fold.fold import FoldResult
-from longkv.fold.kvm_state import READOUTS, FoldState, empty_state, read_slots, update_state
+from longkv.fold.kvm_state import (
+    DROPPED,
+    READOUTS,
+    FoldState,
+    empty_state,
+    read_slots,
+    update_state,
+)
 from longkv.kvm.config import KVMConfig, desired_state_len
 
 STATES = ("fixed", "sqrt", "saturation")
@@ -40,9 +47,9 @@ class KVMFoldConfig(BoundedConfig):
     growth_factor: float = setting(4.0, "sqrt: slots per sqrt(token read)")
     saturation_n: int = setting(1024, "saturation: the n of n * tokens / (n + tokens)")
     readout: str = setting(
-        "founder",
-        "how a slot is read: founder (the unit mean key and value scaled to the founding "
-        "token's norms) or mean (the mean key and value of its tokens)",
+        "mean",
+        "how a slot is read: mean (the mean key and value of its tokens) or founder (their unit "
+        "mean scaled to the founding token's norms)",
         choices=READOUTS,
     )
     count_bias: bool = setting(
@@ -137,6 +144,40 @@ class KVMFoldRunner(BoundedRunner):
         self.states[layer] = state
         if self.track:
             self.destinations[layer].append((first, dest))
+
+    def fates(self, start: int, stop: int) -> dict[str, float]:
+        """Where the input tokens start .. stop - 1 went, over layers, rows and KV heads (needs
+        `track`): fractions `exact` (still a sink or in the window), `founded` (a slot of their
+        own), `merged` (into another token's slot), `dropped` (below the merge threshold); and
+        `founded_slot_tokens`, the mean count of the slots they founded (0 if none)."""
+        if not self.track:
+            raise ValueError("fates: the runner was built without track=True")
+        tally = dict.fromkeys(("exact", "founded", "merged", "dropped"), 0)
+        counts: list[Tensor] = []
+        for state, log in zip(self.states, self.destinations, strict=True):
+            absorbed = 0
+            for first, dest in log:
+                lo, hi = max(start, first), min(stop, first + dest.shape[2])
+                if state is None or lo >= hi:
+                    continue
+                d = dest[:, :, lo - first : hi - first]  # (B, Hkv, n)
+                tokens = torch.arange(lo, hi, device=d.device)
+                slot = d.clamp_min(0)
+                dropped = d == DROPPED
+                founded = ~dropped & (state.founder.gather(2, slot) == tokens)
+                tally["dropped"] += int(dropped.sum())
+                tally["founded"] += int(founded.sum())
+                tally["merged"] += int((~dropped & ~founded).sum())
+                counts.append(state.count.gather(2, slot)[founded])
+                absorbed += d.numel()
+            B, Hkv = self.window_k[0].shape[:2]
+            tally["exact"] += B * Hkv * (stop - start) - absorbed
+        total = sum(tally.values())
+        founded_counts = torch.cat(counts) if counts else torch.zeros(0)
+        return {
+            **{name: n / total for name, n in tally.items()},
+            "founded_slot_tokens": float(founded_counts.mean()) if founded_counts.numel() else 0.0,
+        }
 
     def hooks(self, chunk: int) -> AttentionHooks | None:
         if not self.config.count_bias or self.middle_count == 0:

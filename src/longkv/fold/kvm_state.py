@@ -7,9 +7,10 @@ A frozen model has no state LayerNorm, merge gate or temperatures, so:
   budget grows, the least similar tokens of a block become new slots (time order), the others
   merge winner-take-all into their most similar slot of the post-append state (sums + count);
 - with a `threshold`, a token whose best similarity is below it is dropped instead of merged;
-- read-out, `founder` (spec section 3's vlens, applied to keys too): key = unit(key sum) * the
-  founder key's norm, value = unit(value sum) * the founder value's norm; `mean`: the mean key
-  and the mean value of the slot's tokens. Either way a slot of one token reads back that token.
+- read-out, `mean`: the mean key and the mean value of the slot's tokens; `founder` (spec
+  section 3's vlens, applied to keys too): key = unit(key sum) * the founder key's norm, value =
+  unit(value sum) * the founder value's norm. Either way a slot of one token reads back that
+  token.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def empty_state(keys: Tensor, values: Tensor) -> FoldState:
     )
 
 
-def read_slots(state: FoldState, readout: str = "founder") -> tuple[Tensor, Tensor]:
+def read_slots(state: FoldState, readout: str = "mean") -> tuple[Tensor, Tensor]:
     """Slot keys (B, Hkv, S, D) and values (B, Hkv, S, Dv), un-rotated, in the state's dtype,
     read out as `readout` says (module docstring)."""
     if readout == "mean":

@@ -55,8 +55,9 @@ class BoundedOptions:
     )
     kvm_growth_factor: float = setting(4.0, "kvm-fold sqrt: slots per sqrt(token read)")
     kvm_readout: str = setting(
-        "founder",
-        "kvm-fold slot read-out: founder (unit mean scaled to the founding token's norms) or mean",
+        "mean",
+        "kvm-fold slot read-out: mean (of the slot's keys and values) or founder (their unit "
+        "mean scaled to the founding token's norms)",
         choices=READOUTS,
     )
     kvm_count_bias: bool = setting(False, "kvm-fold: add log(count) to each slot's logits")
@@ -116,16 +117,23 @@ class BoundedOptions:
         out: list[str] = []
         for method in methods:
             if method in BOUNDED:
-                out += [label for label in bounded if label.split("@")[0].split("/")[0] == method]
+                out += [label for label in bounded if split_label(label)[0].split("/")[0] == method]
             else:
                 out.append(method)
         return out
 
 
-def make_runner(model: nn.Module, config: BoundedConfig) -> BoundedRunner:
-    """A fresh runner of a bounded config (its class says which method)."""
+def split_label(label: str) -> tuple[str, int | None]:
+    """("kvm-fold/sqrt", 1024) from "kvm-fold/sqrt@1024"; ("full", None) from "full"."""
+    name, _, budget = label.partition("@")
+    return name, int(budget) if budget else None
+
+
+def make_runner(model: nn.Module, config: BoundedConfig, track: bool = False) -> BoundedRunner:
+    """A fresh runner of a bounded config (its class says which method); track: a KVM-Fold
+    runner keeps where each leaving token went."""
     if isinstance(config, KVMFoldConfig):
-        return KVMFoldRunner(model, config)
+        return KVMFoldRunner(model, config, track)
     if isinstance(config, SnapKVConfig):
         return SnapKVRunner(model, config)
     return StreamingRunner(model, config.sinks, config.window_len)
