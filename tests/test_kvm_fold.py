@@ -12,10 +12,10 @@ from longkv.checks import SettingError
 from longkv.fold import kv_fold
 from longkv.fold.attention import AttentionHooks, bounded_attention, hooked
 from longkv.fold.bounded import bounded_fold, bounded_generate
-from longkv.fold.kvm_fold import KVMFoldConfig, KVMFoldRunner, kvm_fold
+from longkv.fold.eviction import SnapKVConfig, SnapKVRunner, keep_best, pooled, snapkv
+from longkv.fold.kvm_cache import KVMFoldConfig, KVMFoldRunner, kvm_fold
 from longkv.fold.kvm_state import DROPPED, FoldState, empty_state, read_slots, update_state
 from longkv.fold.naive import update_state_naive
-from longkv.fold.snapkv import SnapKVConfig, SnapKVRunner, keep_best, pooled, snapkv
 
 V, T = 97, 100
 SHAPE = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2)

@@ -27,6 +27,14 @@ def setting(default: Any, help: str, *, choices: Sequence[Any] | None = None) ->
     return dataclasses.field(default=default, metadata=metadata)
 
 
+def mirror(cls: type, name: str, help_prefix: str = "") -> Any:
+    """A setting with the default, help and choices of field `name` of the settings dataclass
+    cls (an option that passes its value on to cls), its help after help_prefix."""
+    source = {f.name: f for f in dataclasses.fields(cls)}[name]
+    help_text = help_prefix + source.metadata["help"]
+    return setting(source.default, help_text, choices=source.metadata.get("choices"))
+
+
 def require(ok: bool, field: str, message: str) -> None:
     """Raise SettingError(field, message) unless ok; field reads like "KVMConfig.chunk_len"."""
     if not ok:

@@ -34,7 +34,7 @@ from longkv.evals.niah import (
 from longkv.fold.bounded import bounded_generate, budget_refusal, check_bounded
 from longkv.fold.fold import CLI_SWITCH, check_foldable, position_refusal
 from longkv.fold.generate import fold_generate
-from longkv.fold.kvm_fold import KVMFoldRunner
+from longkv.fold.kvm_cache import KVMFoldRunner
 from longkv.fold.methods import METHODS, BoundedOptions, make_runner, split_label
 from longkv.results import pyplot, save_figure, write_atomic
 

@@ -12,11 +12,10 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from longkv.checks import SettingError, require, require_at_least, setting
+from longkv.checks import SettingError, mirror, require, require_at_least, setting
 from longkv.fold.bounded import BoundedConfig, BoundedRunner
-from longkv.fold.kvm_fold import STATES, KVMFoldConfig, KVMFoldRunner
-from longkv.fold.kvm_state import READOUTS
-from longkv.fold.snapkv import SnapKVConfig, SnapKVRunner
+from longkv.fold.eviction import SnapKVConfig, SnapKVRunner
+from longkv.fold.kvm_cache import STATES, KVMFoldConfig, KVMFoldRunner
 from longkv.fold.streaming import StreamingRunner
 
 BOUNDED = ("streaming", "snapkv", "kvm-fold")
@@ -53,17 +52,10 @@ class BoundedOptions:
     kvm_states: tuple[str, ...] = setting(
         ("fixed",), "state budgets of kvm-fold, each run once", choices=STATES
     )
-    kvm_growth_factor: float = setting(4.0, "kvm-fold sqrt: slots per sqrt(token read)")
-    kvm_readout: str = setting(
-        "mean",
-        "kvm-fold slot read-out: mean (of the slot's keys and values) or founder (their unit "
-        "mean scaled to the founding token's norms)",
-        choices=READOUTS,
-    )
-    kvm_count_bias: bool = setting(False, "kvm-fold: add log(count) to each slot's logits")
-    kvm_merge_threshold: float | None = setting(
-        None, "kvm-fold: drop a leaving token whose best cosine similarity is below this"
-    )
+    kvm_growth_factor: float = mirror(KVMFoldConfig, "growth_factor", "kvm-fold ")
+    kvm_readout: str = mirror(KVMFoldConfig, "readout", "kvm-fold: ")
+    kvm_count_bias: bool = mirror(KVMFoldConfig, "count_bias", "kvm-fold: ")
+    kvm_merge_threshold: float | None = mirror(KVMFoldConfig, "merge_threshold", "kvm-fold: ")
 
     def bounded_configs(self, methods: tuple[str, ...]) -> dict[str, BoundedConfig]:
         """The config of every bounded run of `methods`, by label; a bad option is a
