@@ -310,3 +310,24 @@ def test_bad_configs_are_refused() -> None:
         KVMFoldRunner(tiny("llama"), KVMFoldConfig(budget=300))
     with pytest.raises(ValueError, match="chunk_size: 60 exceeds the window 50"):
         kvm_fold(tiny("llama"), ids_of(), KVMFoldConfig(budget=100), 60)
+
+
+def test_fates_say_which_tokens_founded_slots_and_which_were_dropped() -> None:
+    config = KVMFoldConfig(
+        budget=40, sinks=2, window=8, state="sqrt", growth_factor=2.0, merge_threshold=1.0
+    )
+    runner = KVMFoldRunner(tiny("llama"), config, track=True)
+    bounded_fold(runner, ids_of(60), 4)
+    assert runner.fates(0, 2)["exact"] == 1.0  # the sinks
+    assert runner.fates(52, 60)["exact"] == 1.0  # the window
+    fate = runner.fates(2, 52)
+    states = [s for s in runner.states if s is not None]
+    founders = sum(int(s.founder.numel()) for s in states)
+    joined = sum(int(s.count.sum()) for s in states) - founders  # only a key equal to the
+    # slot's (the same token id, in the first layer) reaches the threshold of 1
+    total = 2 * 2 * 2 * 50  # layers x rows x heads x tokens
+    assert fate["founded"] == founders / total and fate["merged"] == joined / total
+    assert fate["exact"] == 0 and fate["dropped"] == pytest.approx(1 - (founders + joined) / total)
+    assert fate["dropped"] > 0.5
+    with pytest.raises(ValueError, match="track=True"):
+        KVMFoldRunner(tiny("llama"), config).fates(0, 1)
