@@ -8,6 +8,7 @@ Measuring sets glibc's allocator options for the process (`keep_freed_heap`).
 
 from __future__ import annotations
 
+import functools
 import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -55,7 +56,7 @@ def _runs(
         "fold": (chunk_size, lambda: fold(chunk_size, True)),
     }
     for label, config in bounded.items():
-        runs[label] = (stream_chunk, lambda config=config: run_bounded(config))  # type: ignore[misc]
+        runs[label] = (stream_chunk, functools.partial(run_bounded, config))
     return runs
 
 

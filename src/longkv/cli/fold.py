@@ -13,7 +13,6 @@ from longkv.bench.compare import compare_methods, markdown_rows
 from longkv.checks import require, require_at_least, setting
 from longkv.cli.args import add_settings
 from longkv.data.corpus import DEFAULT_TEXT, text_tokens
-from longkv.fold.bounded import budget_refusal, check_bounded
 from longkv.fold.drift import drift_table, full_forward, measure_drift, plot_drift
 from longkv.fold.fold import CLI_SWITCH, position_refusal
 from longkv.fold.methods import METHODS, BoundedOptions, describe_runs
@@ -152,11 +151,7 @@ def run_fold(args: argparse.Namespace, argv: list[str]) -> int:
     require_positions(
         model, o.tokens, "FoldOptions.tokens", f"{o.tokens} tokens", m.allow_extrapolation
     )
-    bounded = o.bounded_configs(o.methods)
-    for label, config in bounded.items():
-        refusal = budget_refusal(model, config.budget)
-        require(refusal is None, "FoldOptions.budgets", f"{label}: {refusal}")
-        check_bounded(model, config.budget, label)
+    bounded = o.check_runs(model, o.methods)
     ids = _tokens(o, m, tokenizer, model)
     report = compare_methods(
         model, ids, o.chunk_size, methods=tuple(o.labels(o.methods)), repeats=o.repeats,

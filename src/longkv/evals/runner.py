@@ -31,7 +31,7 @@ from longkv.evals.niah import (
     make_sample,
     sample_score,
 )
-from longkv.fold.bounded import bounded_generate, budget_refusal, check_bounded
+from longkv.fold.bounded import bounded_generate
 from longkv.fold.fold import CLI_SWITCH, check_foldable, position_refusal
 from longkv.fold.generate import fold_generate
 from longkv.fold.kvm_cache import KVMFoldRunner
@@ -67,8 +67,8 @@ class NiahSettings(BoundedOptions):
                 f"NiahSettings.{name}",
                 f"unknown {unknown}; choose from {list(allowed)}",
             )
-        require_at_least(1, "NiahSettings", self, "lengths", "samples", "chunk_size")
-        require_at_least(1, "NiahSettings", self, "max_new_tokens")
+        at_least_one = ("lengths", "samples", "chunk_size", "max_new_tokens")
+        require_at_least(1, "NiahSettings", self, *at_least_one)
         require(
             all(0 <= d <= 1 for d in self.depths),
             "NiahSettings.depths",
@@ -270,18 +270,7 @@ def check_grid(model: nn.Module, s: NiahSettings, allow_extrapolation: bool = Fa
             f"the answer), {refusal}",
         )
         check_foldable(model, needed, allow_extrapolation=allow_extrapolation)
-    for label, config in s.bounded_configs(s.methods).items():
-        refusal = budget_refusal(model, config.budget)
-        require(refusal is None, "NiahSettings.budgets", f"{label}: {refusal}")
-        try:
-            check_bounded(model, config.budget, label)
-        except ValueError as err:
-            method = label.split("@")[0].split("/")[0]
-            raise SettingError(
-                "NiahSettings.methods",
-                f"{method} cannot run on this model ({err}); leave it out, e.g. --methods full "
-                "fold",
-            ) from err
+    s.check_runs(model, s.methods)
 
 
 def build_samples(

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from longkv.checks import SettingError, mirror, require, require_at_least, setting
-from longkv.fold.bounded import BoundedConfig, BoundedRunner
+from longkv.fold.bounded import BoundedConfig, BoundedRunner, budget_refusal, check_bounded
 from longkv.fold.eviction import SnapKVConfig, SnapKVRunner
 from longkv.fold.kvm_cache import STATES, KVMFoldConfig, KVMFoldRunner
 from longkv.fold.streaming import StreamingRunner
@@ -101,6 +101,26 @@ class BoundedOptions:
                 f"{owner}.stream_chunk",
                 f"{self.stream_chunk} exceeds the window of {label} ({config.window_len} tokens)",
             )
+        return configs
+
+    def check_runs(self, model: nn.Module, methods: tuple[str, ...]) -> dict[str, BoundedConfig]:
+        """`bounded_configs`, after a SettingError unless every bounded run fits the model: its
+        budget within the model's positions (on `budgets`), the model one a bounded cache can
+        run (on `methods`)."""
+        owner = type(self).__name__
+        configs = self.bounded_configs(methods)
+        for label, config in configs.items():
+            refusal = budget_refusal(model, config.budget)
+            require(refusal is None, f"{owner}.budgets", f"{label}: {refusal}")
+            try:
+                check_bounded(model, config.budget, label)
+            except ValueError as err:
+                method = split_label(label)[0].split("/")[0]
+                raise SettingError(
+                    f"{owner}.methods",
+                    f"{method} cannot run on this model ({err}); leave it out, e.g. --methods "
+                    "full fold",
+                ) from err
         return configs
 
     def labels(self, methods: tuple[str, ...]) -> list[str]:
