@@ -75,6 +75,20 @@ def test_state_update_equals_the_per_token_reference(
         assert fast.count.sum().item() == state.count.sum().item() + B * H * m - dropped
 
 
+def test_a_first_block_with_nothing_to_compare_founds_its_earliest_tokens() -> None:
+    """No sinks and no slots yet, room for 2 of 5: every token is equally novel, so the first
+    two found slots and the other three merge into them (the reference agrees)."""
+    g = torch.Generator().manual_seed(9)
+    k = torch.randn(2, 2, 5, 4, generator=g, dtype=torch.float64)
+    v = torch.randn(2, 2, 5, 3, generator=g, dtype=torch.float64)
+    fast, dest = update_state(empty_state(k, v), k, v, 10, 2, k[:, :, :0])
+    slow, slow_dest = update_state_naive(empty_state(k, v), k, v, 10, 2, k[:, :, :0])
+    assert torch.equal(dest, slow_dest) and (dest[..., :2] == torch.tensor([0, 1])).all()
+    assert fast.founder.tolist() == [[[10, 11]] * 2] * 2
+    assert fast.count.sum().item() == 2 * 2 * 5
+    torch.testing.assert_close(fast.key_sum, slow.key_sum, rtol=0, atol=1e-10)
+
+
 def test_the_most_novel_tokens_found_slots_and_the_rest_merge() -> None:
     """A hand-built block: two tokens along existing slots merge into them, the two along new
     directions become slots."""

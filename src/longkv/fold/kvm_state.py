@@ -98,9 +98,10 @@ def update_state(
         picked = order[..., :n_append]
     else:
         known = torch.cat([sink_keys.to(k.dtype), state.key_sum], dim=2)
-        novelty = (unit @ F.normalize(known, dim=-1).transpose(-1, -2)).amax(dim=-1)
         if known.shape[2] == 0:  # nothing to compare with: every token equally novel
             novelty = torch.zeros_like(unit[..., 0])
+        else:
+            novelty = (unit @ F.normalize(known, dim=-1).transpose(-1, -2)).amax(dim=-1)
         picked = novelty.argsort(dim=-1, stable=True)[..., :n_append].sort(dim=-1).values
     appended = torch.zeros_like(order, dtype=torch.bool).scatter(2, picked, True)
     k_new = k.gather(2, picked.unsqueeze(-1).expand(-1, -1, -1, k.shape[-1]))
