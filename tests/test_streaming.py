@@ -163,7 +163,10 @@ def test_unsupported_models_and_settings_are_refused() -> None:
         StreamingRunner(mistral, sinks=4, window=10)
     with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings = 64"):
         StreamingRunner(tiny_llama(), sinks=4, window=61)
-    with pytest.raises(ValueError, match="window: must be an int >= 1"):
+    with pytest.raises(
+        ValueError,
+        match=r"BoundedConfig\.window: must be None \(half the budget\) or an int >= 1, got 0",
+    ):
         StreamingRunner(tiny_llama(), window=0)
     with pytest.raises(ValueError, match="chunk_size: 9 exceeds the window 8"):
         streaming_llm(tiny_llama(), torch.zeros(1, 20, dtype=torch.long), window=8, chunk_size=9)

@@ -12,7 +12,14 @@ def rope_angles(positions: Tensor, rope_dim: int, base: float = 10000.0) -> tupl
     inv_freq = base ** -(
         torch.arange(0, rope_dim, 2, dtype=f64, device=positions.device) / rope_dim
     )
-    angles = positions.to(f64)[:, None] * inv_freq[None, :]  # (T, rope_dim / 2)
+    return angles_at(positions, inv_freq)
+
+
+def angles_at(positions: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
+    """cos and sin (T, 2F) in float64 at positions (T,) (negative ones undo a rotation) for
+    inverse frequencies inv_freq (F,), rotate-half layout."""
+    inv_freq = inv_freq.to(device=positions.device, dtype=torch.float64)
+    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]  # (T, F)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
 

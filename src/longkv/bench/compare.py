@@ -17,9 +17,9 @@ from typing import Any
 from torch import Tensor, nn
 
 from longkv.bench.memory import keep_freed_heap, load_weights, peak_memory
-from longkv.fold.bounded import BoundedConfig, bounded_fold
+from longkv.fold.bounded import BoundedConfig
 from longkv.fold.fold import FoldResult, kv_fold
-from longkv.fold.methods import make_runner
+from longkv.fold.methods import run_bounded
 
 
 @dataclass(frozen=True)
@@ -48,15 +48,13 @@ def _runs(
     def fold(size: int, progress: bool) -> FoldResult:
         return kv_fold(model, ids, size, allow_extrapolation=allow_extrapolation, progress=progress)
 
-    def run_bounded(config: BoundedConfig) -> FoldResult:
-        return bounded_fold(make_runner(model, config), ids, stream_chunk, progress=True)
-
     runs: dict[str, tuple[int, Callable[[], FoldResult]]] = {
         "full": (T, lambda: fold(T, False)),
         "fold": (chunk_size, lambda: fold(chunk_size, True)),
     }
     for label, config in bounded.items():
-        runs[label] = (stream_chunk, functools.partial(run_bounded, config))
+        run = functools.partial(run_bounded, model, ids, config, stream_chunk, progress=True)
+        runs[label] = (stream_chunk, run)
     return runs
 
 

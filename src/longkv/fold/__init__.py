@@ -2,10 +2,11 @@
 the same models (StreamingLLM, SnapKV, KVM-Fold)."""
 
 from longkv.fold.bounded import BoundedConfig, BoundedRunner, bounded_fold, bounded_generate
-from longkv.fold.eviction import SnapKVConfig, SnapKVRunner, snapkv
+from longkv.fold.eviction import SnapKVConfig, SnapKVRunner
 from longkv.fold.fold import FoldResult, FoldRunner, check_foldable, kv_fold
 from longkv.fold.generate import fold_generate, greedy_decode
-from longkv.fold.kvm_cache import KVMFoldConfig, KVMFoldRunner, kvm_fold
+from longkv.fold.kvm_cache import KVMFoldConfig, KVMFoldRunner
+from longkv.fold.methods import run_bounded
 from longkv.fold.streaming import StreamingRunner, stream, streaming_generate, streaming_llm
 from longkv.vml import warm_up_vml
 
@@ -27,8 +28,7 @@ __all__ = [
     "fold_generate",
     "greedy_decode",
     "kv_fold",
-    "kvm_fold",
-    "snapkv",
+    "run_bounded",
     "stream",
     "streaming_generate",
     "streaming_llm",

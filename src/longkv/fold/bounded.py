@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
 
-from longkv.attention.rope import rotate
+from longkv.attention.rope import angles_at, rotate
 from longkv.checks import require, setting
 from longkv.fold import compat
 from longkv.fold.attention import AttentionHooks, hooked
@@ -187,7 +187,8 @@ class BoundedRunner:
     # the cache
     @property
     def window_count(self) -> int:
-        return self.window_k[0].shape[2] if self.window_k[0].dim() == 4 else 0
+        """Tokens in the window now."""
+        return self.window_k[0].shape[2] if self.seen else 0
 
     @property
     def position(self) -> int:
@@ -195,12 +196,6 @@ class BoundedRunner:
         if self.seen == 0:
             return 0
         return self.sink_k[0].shape[2] + self.middle_count + self.window_count
-
-    def angles(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """cos, sin (n, R) in float64 of the model's RoPE at positions (n,) (negative: undo)."""
-        freqs = positions.to(torch.float64)[:, None] * self.inv_freq.to(positions.device)
-        freqs = torch.cat([freqs, freqs], dim=-1)
-        return freqs.cos(), freqs.sin()
 
     def make_room(self, chunk: int) -> int:
         """Move the oldest window tokens to the policy so the chunk fits; its tokens that go
@@ -225,7 +220,7 @@ class BoundedRunner:
         if n == 0:
             return cache
         device = self.sink_k[0].device
-        cos, sin = self.angles(torch.arange(n, device=device))
+        cos, sin = angles_at(torch.arange(n, device=device), self.inv_freq)
         for i in range(len(self.sink_k)):
             mid_k, mid_v = self.middle(i)
             dtype = self.window_k[i].dtype
@@ -237,7 +232,8 @@ class BoundedRunner:
     def keep_chunk(self, cache: DynamicCache, n: int, to_sinks: int) -> None:
         """Un-rotate the chunk's keys (cache indices n, n + 1, ...) and keep them."""
         L = cache.layers[0].keys.shape[2] - n
-        cos, sin = self.angles(-torch.arange(n, n + L, device=cache.layers[0].keys.device))
+        positions = torch.arange(n, n + L, device=cache.layers[0].keys.device)
+        cos, sin = angles_at(-positions, self.inv_freq)
         first = self.seen == 0
         for i, layer in enumerate(cache.layers):
             k = rotate(layer.keys[:, :, n:].double(), cos, sin).to(layer.keys.dtype)

@@ -20,8 +20,7 @@ from torch import Tensor, nn
 
 from longkv.checks import require, setting
 from longkv.fold.attention import AttentionHooks
-from longkv.fold.bounded import BoundedConfig, BoundedRunner, bounded_fold
-from longkv.fold.fold import FoldResult
+from longkv.fold.bounded import BoundedConfig, BoundedRunner
 
 
 @dataclass(frozen=True)
@@ -116,19 +115,3 @@ class SnapKVRunner(BoundedRunner):
         for i in range(len(self.scores)):
             s = self.sink_k[i].shape[2]
             self.scores[i] = pooled(hooks.seen[i][:, :, s:], self.config.pool)
-
-
-def snapkv(
-    model: nn.Module,
-    input_ids: Tensor,
-    config: SnapKVConfig | None = None,
-    chunk_size: int = 64,
-    *,
-    return_logits: bool = False,
-    progress: bool = False,
-) -> FoldResult:
-    """Read input_ids (B, T) through SnapKV-style eviction from an empty cache, chunk by chunk."""
-    runner = SnapKVRunner(model, config or SnapKVConfig())
-    return bounded_fold(
-        runner, input_ids, chunk_size, return_logits=return_logits, progress=progress
-    )

@@ -18,8 +18,7 @@ from torch import Tensor, nn
 
 from longkv.checks import require, setting
 from longkv.fold.attention import AttentionHooks
-from longkv.fold.bounded import BoundedConfig, BoundedRunner, bounded_fold
-from longkv.fold.fold import FoldResult
+from longkv.fold.bounded import BoundedConfig, BoundedRunner
 from longkv.fold.kvm_state import (
     DROPPED,
     READOUTS,
@@ -191,19 +190,3 @@ class KVMFoldRunner(BoundedRunner):
             s = self.sink_k[i].shape[2]
             bias.append(torch.cat([zeros(B, Hkv, s), state.count.log(), zeros(B, Hkv, tail)], 2))
         return AttentionHooks(bias=bias)
-
-
-def kvm_fold(
-    model: nn.Module,
-    input_ids: Tensor,
-    config: KVMFoldConfig | None = None,
-    chunk_size: int = 64,
-    *,
-    return_logits: bool = False,
-    progress: bool = False,
-) -> FoldResult:
-    """Read input_ids (B, T) through KVM-Fold from an empty cache, chunk by chunk."""
-    runner = KVMFoldRunner(model, config or KVMFoldConfig())
-    return bounded_fold(
-        runner, input_ids, chunk_size, return_logits=return_logits, progress=progress
-    )

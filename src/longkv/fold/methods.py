@@ -10,11 +10,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torch import nn
+from torch import Tensor, nn
 
 from longkv.checks import SettingError, mirror, require, require_at_least, setting
-from longkv.fold.bounded import BoundedConfig, BoundedRunner, budget_refusal, check_bounded
+from longkv.fold.bounded import (
+    BoundedConfig,
+    BoundedRunner,
+    bounded_fold,
+    budget_refusal,
+    check_bounded,
+)
 from longkv.fold.eviction import SnapKVConfig, SnapKVRunner
+from longkv.fold.fold import FoldResult
 from longkv.fold.kvm_cache import STATES, KVMFoldConfig, KVMFoldRunner
 from longkv.fold.streaming import StreamingRunner
 
@@ -115,11 +122,10 @@ class BoundedOptions:
             try:
                 check_bounded(model, config.budget, label)
             except ValueError as err:
-                method = split_label(label)[0].split("/")[0]
                 raise SettingError(
                     f"{owner}.methods",
-                    f"{method} cannot run on this model ({err}); leave it out, e.g. --methods "
-                    "full fold",
+                    f"{method_of(label)} cannot run on this model ({err}); leave it out, e.g. "
+                    "--methods full fold",
                 ) from err
         return configs
 
@@ -129,7 +135,7 @@ class BoundedOptions:
         out: list[str] = []
         for method in methods:
             if method in BOUNDED:
-                out += [label for label in bounded if split_label(label)[0].split("/")[0] == method]
+                out += [label for label in bounded if method_of(label) == method]
             else:
                 out.append(method)
         return out
@@ -141,6 +147,11 @@ def split_label(label: str) -> tuple[str, int | None]:
     return name, int(budget) if budget else None
 
 
+def method_of(label: str) -> str:
+    """The method of a run: "kvm-fold" from "kvm-fold/sqrt@1024", "full" from "full"."""
+    return split_label(label)[0].split("/")[0]
+
+
 def make_runner(model: nn.Module, config: BoundedConfig, track: bool = False) -> BoundedRunner:
     """A fresh runner of a bounded config (its class says which method); track: a KVM-Fold
     runner keeps where each leaving token went."""
@@ -149,6 +160,23 @@ def make_runner(model: nn.Module, config: BoundedConfig, track: bool = False) ->
     if isinstance(config, SnapKVConfig):
         return SnapKVRunner(model, config)
     return StreamingRunner(model, config.sinks, config.window_len)
+
+
+def run_bounded(
+    model: nn.Module,
+    input_ids: Tensor,
+    config: BoundedConfig,
+    chunk_size: int = 64,
+    *,
+    return_logits: bool = False,
+    progress: bool = False,
+) -> FoldResult:
+    """Read input_ids (B, T) chunk by chunk through a fresh cache of a bounded config
+    (`make_runner`); nll and logits as for `kv_fold`."""
+    runner = make_runner(model, config)
+    return bounded_fold(
+        runner, input_ids, chunk_size, return_logits=return_logits, progress=progress
+    )
 
 
 def describe_runs(configs: dict[str, BoundedConfig]) -> str:

@@ -15,30 +15,18 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from longkv.checks import SettingError
 from longkv.fold.bounded import BoundedConfig, BoundedRunner, bounded_fold, bounded_generate
 from longkv.fold.fold import FoldResult
 
 
-def streaming_config(sinks: int, window: int) -> BoundedConfig:
-    """StreamingLLM's cache as a bounded one: budget sinks + window, no middle; ValueError on
-    a bad sinks or window."""
-    for name, value, low in (("sinks", sinks, 0), ("window", window, 1)):
-        if not isinstance(value, int) or value < low:
-            raise ValueError(f"{name}: must be an int >= {low}, got {value!r}")
-    try:
-        return BoundedConfig(budget=sinks + window, sinks=sinks, window=window)
-    except SettingError as err:
-        raise ValueError(str(err)) from err
-
-
 class StreamingRunner(BoundedRunner):
-    """A cache of at most sinks + window entries, with positions inside it."""
+    """A cache of at most sinks + window entries, with positions inside it: a bounded cache
+    with a budget of sinks + window and nothing in the middle."""
 
     method = "StreamingLLM"
 
     def __init__(self, model: nn.Module, sinks: int = 4, window: int = 1020):
-        super().__init__(model, streaming_config(sinks, window))
+        super().__init__(model, BoundedConfig(budget=sinks + window, sinks=sinks, window=window))
 
     @property
     def middle_count(self) -> int:
