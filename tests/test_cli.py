@@ -25,10 +25,10 @@ from longkv.bench.train import TrainBenchSettings
 from longkv.cli import fold as fold_cli
 from longkv.cli import niah as niah_cli
 from longkv.cli.args import build_settings
-from longkv.cli.bounded import FATES
+from longkv.cli.bounded import FATES, fate_rows
 from longkv.cli.main import COMMANDS, build_parser, main
 from longkv.evals import runner
-from longkv.evals.runner import NiahSettings
+from longkv.evals.runner import NiahRecord, NiahSettings
 from longkv.results import OUT_DIR
 from longkv.train.tokenizer import gpt2_tokenizer
 
@@ -310,6 +310,17 @@ def test_bounded_compares_every_bounded_run_on_one_page(
     for text in ("| kvm-fold/sqrt@128 |", "### Peak memory against length", "tokens per founded"):
         assert text in page
     assert "- 4 needle answers from `longkv niah --model" in page
+
+
+def test_the_fate_table_sizes_founded_slots_only_where_the_answer_founded_some() -> None:
+    def record(method: str, score: float, founded: float, size: float) -> NiahRecord:
+        fate = {"exact": 0.0, "founded": founded, "merged": 1 - founded, "dropped": 0.0,
+                "founded_slot_tokens": size}  # fmt: skip
+        return NiahRecord("t", 100, 0.5, 0, method, ["1"], "", [], score, 1.0, fate)
+
+    rows = fate_rows([record("k", 0.0, 0.5, 3.0), record("k", 0.0, 0.0, 0.0)])
+    assert rows[2] == "| k | no | 2 | 0.0 % | 25.0 % | 75.0 % | 0.0 % | 3.0 |"
+    assert fate_rows([record("k", 1.0, 0.0, 0.0)])[2].endswith("| 0.0 % | - |")
 
 
 def test_niah_with_fold_and_full_says_whether_they_agree(

@@ -107,12 +107,11 @@ def fate_rows(records: list[NiahRecord]) -> list[str]:
         "|---|---|---:|" + "---:|" * (len(FATES) + 1),
     ]
     for (method, right), fates in sorted(groups.items()):
-        mean = {k: sum(f[k] for f in fates) / len(fates) for k in (*FATES, "founded_slot_tokens")}
-        cells = " | ".join(f"{100 * mean[k]:.1f} %" for k in FATES)
-        lines.append(
-            f"| {method} | {'yes' if right else 'no'} | {len(fates)} | {cells} | "
-            f"{mean['founded_slot_tokens']:.1f} |"
-        )
+        cells = " | ".join(f"{100 * sum(f[k] for f in fates) / len(fates):.1f} %" for k in FATES)
+        # over the samples where the answer founded slots at all (their mean is 0 elsewhere)
+        sizes = [f["founded_slot_tokens"] for f in fates if f["founded"] > 0]
+        size = f"{sum(sizes) / len(sizes):.1f}" if sizes else "-"
+        lines.append(f"| {method} | {'yes' if right else 'no'} | {len(fates)} | {cells} | {size} |")
     return lines
 
 
