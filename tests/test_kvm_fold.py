@@ -283,7 +283,7 @@ def test_snapkv_evicts_the_lowest_scored_of_the_leaving_and_kept_entries() -> No
     assert runner.window_count == 0
 
 
-def test_bounded_caches_stay_within_their_budget_and_generate() -> None:
+def test_bounded_caches_generate_within_their_budget() -> None:
     model = tiny("qwen2")
     ids = ids_of(80)
     for config, runner_class in (
@@ -294,15 +294,9 @@ def test_bounded_caches_stay_within_their_budget_and_generate() -> None:
         out = bounded_generate(runner, ids, 8, 6)
         assert out.shape == (2, 6)
         assert all(layer.keys.shape[2] <= 24 for layer in runner.cache.layers)
-        # the same tokens read in one run give the same next-token choices
-        run = bounded_fold(
-            runner_class(model, config),  # type: ignore[arg-type]
-            torch.cat([ids, out[:, :-1]], 1), 8, return_logits=True,
-        )  # fmt: skip
-        assert run.logits is not None
-        # the answer tokens were fed one at a time there and in chunks of 8 here, so only the
-        # first (read after the prompt alone) is the same computation
-        assert torch.equal(run.logits[:, 79].argmax(-1), out[:, 0])
+        # decoding fed every answer token but the last through the same bounded cache
+        assert runner.seen == 80 + 5 and runner.position == 24
+        assert runner.middle_count == config.middle_len
 
 
 def test_bad_configs_are_refused() -> None:
