@@ -17,7 +17,13 @@ from longkv.data.corpus import DEFAULT_TEXT, text_tokens
 from longkv.fold.drift import drift_table, full_forward, measure_drift, plot_drift
 from longkv.fold.fold import CLI_SWITCH, position_refusal
 from longkv.fold.methods import METHODS, BoundedOptions, describe_runs
-from longkv.fold.variants import VARIANT_HELP, VARIANTS, require_variants
+from longkv.fold.variants import (
+    VARIANT_HELP,
+    VARIANTS,
+    check_variant,
+    inserted_positions,
+    require_variants,
+)
 from longkv.models.pretrained import DEFAULT_MODEL, load_pretrained
 from longkv.results import OUT_DIR, provenance, write_report
 
@@ -158,9 +164,14 @@ def _tokens(
 def run_fold(args: argparse.Namespace, argv: list[str]) -> int:
     m, o = args.settings[ModelOptions], args.settings[FoldOptions]
     model, tokenizer = load(m, DTYPES[o.dtype])
+    if "fold" in o.methods:
+        check_variant(o.variant, model, None)
+    inserted = inserted_positions(o.variant, o.tokens, o.chunk_size) if "fold" in o.methods else 0
     require_positions(
-        model, o.tokens, "FoldOptions.tokens", f"{o.tokens} tokens", m.allow_extrapolation
-    )
+        model, o.tokens + inserted, "FoldOptions.tokens",
+        f"{o.tokens} tokens" + (" and the fold's BOS before every chunk" if inserted else ""),
+        m.allow_extrapolation,
+    )  # fmt: skip
     bounded = o.check_runs(model, o.methods)
     ids = _tokens(o, m, tokenizer, model)
     report = compare_methods(
@@ -201,8 +212,8 @@ def run_drift(args: argparse.Namespace, argv: list[str]) -> int:
         "DriftOptions.variants",
         "the model's config has no bos_token_id; leave out bos",
     )
-    # a prefix takes one position before every chunk; the smallest chunk inserts the most
-    inserted = -(-o.tokens // min(o.chunk_sizes)) if "bos" in o.variants else 0
+    # the smallest chunk inserts the most
+    inserted = max(inserted_positions(v, o.tokens, min(o.chunk_sizes)) for v in o.variants)
     require_positions(
         model, o.tokens + inserted, "DriftOptions.tokens", f"{o.tokens} tokens and their prefixes",
         m.allow_extrapolation,

@@ -36,7 +36,13 @@ from longkv.fold.fold import CLI_SWITCH, check_foldable, position_refusal
 from longkv.fold.generate import fold_generate
 from longkv.fold.kvm_cache import KVMFoldRunner
 from longkv.fold.methods import METHODS, BoundedOptions, make_runner, split_label
-from longkv.fold.variants import VARIANT_HELP, VARIANTS, check_variant, require_variants
+from longkv.fold.variants import (
+    VARIANT_HELP,
+    VARIANTS,
+    check_variant,
+    inserted_positions,
+    require_variants,
+)
 from longkv.results import pyplot, save_figure, write_atomic
 
 
@@ -273,7 +279,7 @@ def check_grid(model: nn.Module, s: NiahSettings, allow_extrapolation: bool = Fa
         needed = n - ANSWER_BUDGET + s.max_new_tokens - 1
         what = "the prompt, then the answer"
         if "fold" in s.methods and s.variant == "bos":
-            needed += -(-(n - ANSWER_BUDGET) // s.chunk_size)
+            needed += inserted_positions(s.variant, n - ANSWER_BUDGET, s.chunk_size)
             what += ", and the fold's BOS before every chunk"
         refusal = position_refusal(
             model, needed, allow_extrapolation=allow_extrapolation, switch=CLI_SWITCH

@@ -38,6 +38,11 @@ def require_variants(field: str, *variants: str) -> None:
     require(not unknown, field, f"unknown {unknown}; choose from {list(VARIANTS)}")
 
 
+def inserted_positions(variant: str, tokens: int, chunk_size: int) -> int:
+    """Positions a variant adds to a fold of `tokens` tokens: one BOS per chunk for 'bos'."""
+    return -(-tokens // chunk_size) if variant == "bos" else 0
+
+
 def check_variant(variant: str, model: nn.Module, prefix_ids: Tensor | None) -> None:
     """ValueError if the variant is unknown or cannot change this model's fold."""
     if variant not in VARIANTS:
