@@ -10,6 +10,7 @@ from longkv.fold import FoldRunner, fold_generate, kv_fold
 from longkv.fold.attention import visible_keys
 from longkv.fold.compat import CACHE_ARG
 from longkv.fold.drift import DriftResult, depth_bins
+from longkv.models import LongKVConfig, LongKVForCausalLM
 
 V, T = 97, 60
 CONFIG = dict(
@@ -163,6 +164,9 @@ def test_bad_variants_are_refused() -> None:
         kv_fold(model.to(torch.bfloat16), IDS, 16, variant="bf16-cache")
     with pytest.raises(ValueError, match="chunk_size: the 'restart' variant"):
         FoldRunner(model, variant="restart")
+    longkv = LongKVForCausalLM(LongKVConfig(vocab_size=V, d_model=16, n_layers=1, n_heads=2))
+    with pytest.raises(ValueError, match="'top-left' changes transformers' attention"):
+        kv_fold(longkv, IDS, 16, variant="top-left")
 
 
 def test_drift_is_averaged_over_depth_bins() -> None:

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from longkv.checks import require
+from longkv.fold import compat
 from longkv.fold.attention import AttentionHooks
 
 VARIANTS = {
@@ -54,6 +55,11 @@ def check_variant(variant: str, model: nn.Module, prefix_ids: Tensor | None) -> 
         )
     if variant == "bos" and getattr(model.config, "bos_token_id", None) is None:
         raise ValueError("variant: 'bos' needs the model's config.bos_token_id, which is None")
+    if variant_hooks(variant) is not None and not compat.keeps_keys_and_values(model):
+        raise ValueError(
+            f"variant: {variant!r} changes transformers' attention, which "
+            f"{type(model).__name__} does not run (its cache holds KVM states)"
+        )
     dtype = next(model.parameters()).dtype
     if variant == "bf16-cache" and dtype.itemsize <= torch.bfloat16.itemsize:
         raise ValueError(
