@@ -253,6 +253,28 @@ def test_niah_without_both_fold_and_full_claims_no_agreement(
     assert "| passkey | streaming@64 |" in page
 
 
+def test_a_fold_variant_is_named_on_the_page_and_refused_where_it_changes_nothing(
+    tiny_model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [
+        "niah", "--model", tiny_model, "--tasks", "passkey", "--lengths", "300",
+        "--depths", "0.5", "--methods", "full", "fold", "--chunk-size", "64",
+        "--variant", "top-left", "--max-new-tokens", "2", "--out-dir", str(tmp_path),
+        "--name", "n",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    assert (
+        "KV-Fold in chunks of 64, variant top-left: the causal mask aligned"
+        in (tmp_path / "n.md").read_text()
+    )
+    assert json.loads((tmp_path / "n.json").read_text())["settings"]["variant"] == "top-left"
+    argv = ["fold", "--model", tiny_model, "--dtype", "bf16", "--variant", "bf16-cache"]
+    assert main(argv) == 2
+    assert "error: argument --variant: bf16-cache stores a wider model's cache" in (
+        capsys.readouterr().err
+    )
+
+
 def test_bounded_compares_every_bounded_run_on_one_page(
     tiny_model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -372,7 +394,7 @@ def test_fold_and_drift_check_positions_before_running(
     assert main(argv) == 2
     assert "error: argument --budgets: " in capsys.readouterr().err
     # 500 tokens fit, but a BOS before every 64-token chunk adds 8 positions
-    argv = ["drift", *base, "--tokens", "510", "--chunk-sizes", "64", "--prefixes", "bos"]
+    argv = ["drift", *base, "--tokens", "510", "--chunk-sizes", "64", "--variants", "bos"]
     assert main(argv) == 2
     assert "error: argument --tokens: 510 tokens and their prefixes take 518" in (
         capsys.readouterr().err
@@ -383,7 +405,7 @@ def test_fold_and_drift_check_positions_before_running(
 PAST = {  # each takes more than the tiny models' 512 positions
     "fold": ["fold", "--tokens", "600", "--chunk-size", "256", "--dtype", "fp64"],
     "drift": ["drift", "--tokens", "600", "--chunk-sizes", "256", "--dtypes", "fp64",
-              "--prefixes", "none"],
+              "--variants", "exact"],
     "niah": ["niah", "--tasks", "passkey", "--lengths", "700", "--depths", "0.5",
              "--methods", "full", "fold", "--chunk-size", "256", "--max-new-tokens", "2",
              "--dtype", "fp64"],

@@ -34,15 +34,23 @@ def test_fold_command_compares_methods(tmp_path: Path) -> None:
 def test_drift_command_writes_table_and_plot(tmp_path: Path) -> None:
     argv = [
         "drift", "--tokens", "256", "--chunk-sizes", "64", "--dtypes", "fp64",
-        "--prefixes", "none", "bos", "--out-dir", str(tmp_path), "--name", "d",
+        "--variants", "exact", "bos", "--out-dir", str(tmp_path), "--name", "d",
     ]  # fmt: skip
     assert main(argv) == 0
     runs = json.loads((tmp_path / "d.json").read_text())["runs"]
-    assert [(r["chunk_size"], r["prefix"]) for r in runs] == [(64, "none"), (64, "bos")]
+    assert [(r["chunk_size"], r["variant"]) for r in runs] == [(64, "exact"), (64, "bos")]
     exact = [f - r for f, r in zip(runs[0]["fold_nll"], runs[0]["full_nll"], strict=True)]
     assert max(abs(d) for d in exact) <= 1e-10
     assert (tmp_path / "d.png").read_bytes()[:4] == b"\x89PNG"
     assert "| 64 | float64 | bos | 4 |" in (tmp_path / "d.md").read_text()
+    argv = [*argv[:6], "fp64", "fp32", "bf16", "--variants", "bf16-cache", *argv[10:]]
+    assert main(argv) == 0
+    runs = json.loads((tmp_path / "d.json").read_text())["runs"]
+    assert [(r["dtype"], r["variant"]) for r in runs] == [
+        ("float64", "bf16-cache"),
+        ("float32", "bf16-cache"),
+    ]  # in bf16 there is nothing to round
+    assert "Left out: bf16-cache in bf16" in (tmp_path / "d.md").read_text()
 
 
 def test_niah_command_reports_and_plots(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]

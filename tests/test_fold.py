@@ -172,7 +172,7 @@ def test_drift_is_numerical_for_an_exact_fold_and_structural_with_a_prefix(tmp_p
     model = tiny("llama")
     ids = torch.randint(2, V, (2, T), generator=torch.Generator().manual_seed(6))
     exact = measure_drift(model, ids, 16)
-    bos = measure_drift(model, ids, 16, prefix_ids=torch.tensor([1]), prefix_name="bos")
+    bos = measure_drift(model, ids, 16, variant="bos")
     assert len(exact.drift) == len(bos.drift) == 7
     assert max(abs(d) for d in exact.drift) <= 1e-5
     assert abs(exact.drift[0]) <= 1e-6  # the first chunk is the same computation

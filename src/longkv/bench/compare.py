@@ -42,15 +42,19 @@ def _runs(
     bounded: dict[str, BoundedConfig],
     stream_chunk: int,
     allow_extrapolation: bool,
+    variant: str,
 ) -> dict[str, tuple[int, Callable[[], FoldResult]]]:
     T = ids.shape[1]
 
-    def fold(size: int, progress: bool) -> FoldResult:
-        return kv_fold(model, ids, size, allow_extrapolation=allow_extrapolation, progress=progress)
+    def fold(size: int, variant: str, progress: bool) -> FoldResult:
+        return kv_fold(
+            model, ids, size, variant=variant, allow_extrapolation=allow_extrapolation,
+            progress=progress,
+        )  # fmt: skip
 
     runs: dict[str, tuple[int, Callable[[], FoldResult]]] = {
-        "full": (T, lambda: fold(T, False)),
-        "fold": (chunk_size, lambda: fold(chunk_size, True)),
+        "full": (T, lambda: fold(T, "exact", False)),
+        "fold": (chunk_size, lambda: fold(chunk_size, variant, True)),
     }
     for label, config in bounded.items():
         run = functools.partial(run_bounded, model, ids, config, stream_chunk, progress=True)
@@ -68,19 +72,23 @@ def compare_methods(
     bounded: dict[str, BoundedConfig] | None = None,
     stream_chunk: int = 64,
     allow_extrapolation: bool = False,
+    variant: str = "exact",
 ) -> dict[str, Any]:
     """Measure each method on input_ids (B, T); ratios against the full forward.
 
     methods: "full" and "fold", and labels of `bounded` (label -> config; see
     `longkv.fold.methods`), run in chunks of stream_chunk. allow_extrapolation: let full and
     fold run a RoPE model past its max_position_embeddings (`kv_fold`); a bounded cache's
-    positions stay within its budget.
+    positions stay within its budget. variant: how "fold" departs from the exact fold
+    (`longkv.fold.variants`).
     """
     if repeats < 1:
         raise ValueError(f"repeats: must be >= 1, got {repeats}")
     keep_freed_heap()
     load_weights(model)
-    runs = _runs(model, input_ids, chunk_size, bounded or {}, stream_chunk, allow_extrapolation)
+    runs = _runs(
+        model, input_ids, chunk_size, bounded or {}, stream_chunk, allow_extrapolation, variant
+    )
     results: dict[str, MethodRun] = {}
     full_nll: Tensor | None = None
     for method in ("full", *[m for m in methods if m != "full"]):

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from longkv.bench.compare import compare_methods, markdown_rows
 from longkv.checks import require, require_at_least, setting
@@ -16,6 +17,13 @@ from longkv.data.corpus import DEFAULT_TEXT, text_tokens
 from longkv.fold.drift import drift_table, full_forward, measure_drift, plot_drift
 from longkv.fold.fold import CLI_SWITCH, position_refusal
 from longkv.fold.methods import METHODS, BoundedOptions, describe_runs
+from longkv.fold.variants import (
+    VARIANT_HELP,
+    VARIANTS,
+    check_variant,
+    inserted_positions,
+    require_variants,
+)
 from longkv.models.pretrained import DEFAULT_MODEL, load_pretrained
 from longkv.results import OUT_DIR, provenance, write_report
 
@@ -71,6 +79,7 @@ class FoldOptions(BoundedOptions, TextOptions):
     """`longkv fold`: the methods compared with one full forward, and their options."""
 
     chunk_size: int = setting(1024, "fold chunk (tokens)")
+    variant: str = setting("exact", "method fold: " + VARIANT_HELP, choices=VARIANTS)
     dtype: str = setting("fp32", "weights and activations", choices=sorted(DTYPES))
     methods: tuple[str, ...] = setting(
         ("full", "fold"), "methods to run; full always runs, as the reference", choices=METHODS
@@ -81,6 +90,13 @@ class FoldOptions(BoundedOptions, TextOptions):
     def __post_init__(self) -> None:
         super().__post_init__()
         require_at_least(1, "FoldOptions", self, "chunk_size", "repeats")
+        require_variants("FoldOptions.variant", self.variant)
+        require(
+            self.variant != "bf16-cache" or DTYPES[self.dtype].itemsize > 2,
+            "FoldOptions.variant",
+            f"bf16-cache stores a wider model's cache in bfloat16; --dtype {self.dtype} is not "
+            "wider (pick fp32 or fp64)",
+        )
         self.bounded_configs(self.methods)
 
 
@@ -94,16 +110,16 @@ class DriftOptions(TextOptions):
         "dtypes of the model, each with its own full forward",
         choices=sorted(DTYPES),
     )
-    prefixes: tuple[str, ...] = setting(
-        ("none", "bos"),
-        "what goes before every chunk: nothing, or the BOS token",
-        choices=("none", "bos"),
-    )
+    variants: tuple[str, ...] = setting(
+        ("exact", "bos"), "fold variants, each run at every chunk size and dtype; " + VARIANT_HELP,
+        choices=VARIANTS,
+    )  # fmt: skip
     name: str | None = setting(None, "file name stem of the results (default: drift_<tokens>)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         require_at_least(1, "DriftOptions", self, "chunk_sizes")
+        require_variants("DriftOptions.variants", *self.variants)
 
 
 def configure(name: str, parser: argparse.ArgumentParser) -> None:
@@ -148,14 +164,20 @@ def _tokens(
 def run_fold(args: argparse.Namespace, argv: list[str]) -> int:
     m, o = args.settings[ModelOptions], args.settings[FoldOptions]
     model, tokenizer = load(m, DTYPES[o.dtype])
+    if "fold" in o.methods:
+        check_variant(o.variant, model, None)
+    inserted = inserted_positions(o.variant, o.tokens, o.chunk_size) if "fold" in o.methods else 0
     require_positions(
-        model, o.tokens, "FoldOptions.tokens", f"{o.tokens} tokens", m.allow_extrapolation
-    )
+        model, o.tokens + inserted, "FoldOptions.tokens",
+        f"{o.tokens} tokens" + (" and the fold's BOS before every chunk" if inserted else ""),
+        m.allow_extrapolation,
+    )  # fmt: skip
     bounded = o.check_runs(model, o.methods)
     ids = _tokens(o, m, tokenizer, model)
     report = compare_methods(
         model, ids, o.chunk_size, methods=tuple(o.labels(o.methods)), repeats=o.repeats,
         bounded=bounded, stream_chunk=o.stream_chunk, allow_extrapolation=m.allow_extrapolation,
+        variant=o.variant,
     )  # fmt: skip
     report = {"provenance": provenance(argv), "settings": {**asdict(m), **asdict(o)}, **report}
     stem = Path(m.out_dir) / (o.name or f"fold_{o.tokens}")
@@ -170,40 +192,54 @@ def run_fold(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
+def drift_runs(o: DriftOptions) -> tuple[list[tuple[str, int, str]], list[str]]:
+    """The (dtype, chunk size, variant) runs of the grid, and why any pair was left out."""
+    runs, skipped = [], []
+    for dtype in o.dtypes:
+        for variant in o.variants:
+            if variant == "bf16-cache" and DTYPES[dtype].itemsize <= torch.bfloat16.itemsize:
+                skipped.append(f"bf16-cache in {dtype} (its cache is that narrow already)")
+                continue
+            runs += [(dtype, size, variant) for size in o.chunk_sizes]
+    return runs, skipped
+
+
 def run_drift(args: argparse.Namespace, argv: list[str]) -> int:
     m, o = args.settings[ModelOptions], args.settings[DriftOptions]
     model, tokenizer = load(m, torch.float32)
-    bos = getattr(tokenizer, "bos_token_id", None)
     require(
-        "bos" not in o.prefixes or bos is not None,
-        "DriftOptions.prefixes",
-        "the tokenizer has no bos_token_id; leave out bos",
+        "bos" not in o.variants or model.config.bos_token_id is not None,
+        "DriftOptions.variants",
+        "the model's config has no bos_token_id; leave out bos",
     )
-    # a prefix takes one position before every chunk; the smallest chunk inserts the most
-    inserted = -(-o.tokens // min(o.chunk_sizes)) if "bos" in o.prefixes else 0
+    # the smallest chunk inserts the most
+    inserted = max(inserted_positions(v, o.tokens, min(o.chunk_sizes)) for v in o.variants)
     require_positions(
         model, o.tokens + inserted, "DriftOptions.tokens", f"{o.tokens} tokens and their prefixes",
         m.allow_extrapolation,
     )  # fmt: skip
     ids = _tokens(o, m, tokenizer, model)
-    prefixes = {"none": None, "bos": None if bos is None else torch.tensor([bos])}
-    results = []
-    for dtype in o.dtypes:
+    runs, skipped = drift_runs(o)
+    results, references = [], {}
+    for dtype, size, variant in tqdm(runs, desc="drift", unit="fold"):
         model = model.to(DTYPES[dtype])
-        reference = full_forward(model, ids, m.allow_extrapolation)
-        for size in o.chunk_sizes:
-            for name in o.prefixes:
-                run = measure_drift(
-                    model, ids, size, DTYPES[dtype], prefix_ids=prefixes[name], prefix_name=name,
-                    reference=reference, allow_extrapolation=m.allow_extrapolation, progress=True,
-                )  # fmt: skip
-                results.append(run)
+        if dtype not in references:
+            references[dtype] = full_forward(model, ids, m.allow_extrapolation)
+        run = measure_drift(
+            model, ids, size, DTYPES[dtype], variant=variant, reference=references[dtype],
+            allow_extrapolation=m.allow_extrapolation,
+        )  # fmt: skip
+        results.append(run)
     stem = Path(m.out_dir) / (o.name or f"drift_{o.tokens}")
     table = drift_table(results)
     body = [
         "",
         "drift(t) = mean NLL of chunk t under the fold - the same under one full forward in the",
-        "same dtype (nats).",
+        "same dtype (nats); chunk t sits at depth t of the chain (chunk 0 carries no cache).",
+        "Each depth column is the mean drift over the chunks of that depth range.",
+        "",
+        "Variants: " + "; ".join(f"{v}: {VARIANTS[v]}" for v in o.variants) + ".",
+        *(["", "Left out: " + ", ".join(skipped) + "."] if skipped else []),
         "",
         table,
         f"![drift]({stem.name}.png)",

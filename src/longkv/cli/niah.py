@@ -18,6 +18,7 @@ from longkv.evals.runner import (
     run_niah,
 )
 from longkv.fold.methods import describe_runs
+from longkv.fold.variants import VARIANTS
 from longkv.results import provenance, provenance_lines, write_atomic
 
 
@@ -52,7 +53,8 @@ def verdict(records: list[NiahRecord]) -> list[str]:
 
 def methods_line(s: NiahSettings) -> str:
     """The methods that ran and their options, for the page."""
-    options = {"full": "full attention", "fold": f"KV-Fold in chunks of {s.chunk_size}"}
+    variant = "" if s.variant == "exact" else f", variant {s.variant}: {VARIANTS[s.variant]}"
+    options = {"full": "full attention", "fold": f"KV-Fold in chunks of {s.chunk_size}{variant}"}
     said = [options[m] for m in s.methods if m in options]
     bounded = s.bounded_configs(s.methods)
     if bounded:

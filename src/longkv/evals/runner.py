@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,13 @@ from longkv.fold.fold import CLI_SWITCH, check_foldable, position_refusal
 from longkv.fold.generate import fold_generate
 from longkv.fold.kvm_cache import KVMFoldRunner
 from longkv.fold.methods import METHODS, BoundedOptions, make_runner, split_label
+from longkv.fold.variants import (
+    VARIANT_HELP,
+    VARIANTS,
+    check_variant,
+    inserted_positions,
+    require_variants,
+)
 from longkv.results import pyplot, save_figure, write_atomic
 
 
@@ -54,6 +61,7 @@ class NiahSettings(BoundedOptions):
     samples: int = setting(1, "samples per cell (task, length, depth)")
     seed: int = setting(0, "seed of the first sample; sample i uses seed + i")
     chunk_size: int = setting(1024, "fold chunk (tokens)")
+    variant: str = setting("exact", "method fold: " + VARIANT_HELP, choices=VARIANTS)
     max_new_tokens: int = setting(32, "greedy answer tokens at most")
 
     def __post_init__(self) -> None:
@@ -69,6 +77,7 @@ class NiahSettings(BoundedOptions):
             )
         at_least_one = ("lengths", "samples", "chunk_size", "max_new_tokens")
         require_at_least(1, "NiahSettings", self, *at_least_one)
+        require_variants("NiahSettings.variant", self.variant)
         require(
             all(0 <= d <= 1 for d in self.depths),
             "NiahSettings.depths",
@@ -128,9 +137,16 @@ class NiahRun:
         if not path.is_file():
             return []
         data = json.loads(path.read_text())
-        if data.get("settings") != json.loads(json.dumps(asdict(settings))):
+        if saved_settings(data) != json.loads(json.dumps(asdict(settings))):
             return []
         return [NiahRecord(**r) for r in data["records"]]
+
+
+def saved_settings(data: dict[str, Any]) -> dict[str, Any]:
+    """The settings of a niah result file (`NiahRun.save`), with the default of any setting
+    added after the file was written."""
+    defaults = {f.name: f.default for f in fields(NiahSettings)}
+    return {**json.loads(json.dumps(defaults)), **data.get("settings", {})}
 
 
 def answer(
@@ -149,10 +165,11 @@ def answer(
     (`fold_generate`)."""
     n, fate = s.max_new_tokens, None
     if method in ("full", "fold"):
-        size = ids.shape[1] if method == "full" else s.chunk_size
+        size, variant = (ids.shape[1], "exact") if method == "full" else (s.chunk_size, s.variant)
         out = fold_generate(
-            model, ids, size, n, eos_token_id=eos, allow_extrapolation=allow_extrapolation
-        )
+            model, ids, size, n, eos_token_id=eos, allow_extrapolation=allow_extrapolation,
+            variant=variant,
+        )  # fmt: skip
     else:
         runner = make_runner(model, s.bounded_configs(s.methods)[method], track=True)
         out = bounded_generate(runner, ids, s.stream_chunk, n, eos_token_id=eos)
@@ -237,8 +254,8 @@ def reusable_records(path: Path, s: NiahSettings) -> tuple[list[NiahRecord], dic
     provenance; a SettingError if the file's grid or method options differ from these."""
     data = json.loads(path.read_text())
     ours = json.loads(json.dumps(asdict(s)))
-    theirs = data["settings"]
-    differ = sorted(k for k in ours if k not in RUN_FIELDS and theirs.get(k) != ours[k])
+    theirs = saved_settings(data)
+    differ = sorted(k for k in ours if k not in RUN_FIELDS and theirs[k] != ours[k])
     require(
         not differ,
         "NiahSettings.methods",
@@ -260,15 +277,20 @@ def check_grid(model: nn.Module, s: NiahSettings, allow_extrapolation: bool = Fa
         # the prompt (length - ANSWER_BUDGET tokens), then all but the last answer token
         n = max(s.lengths)
         needed = n - ANSWER_BUDGET + s.max_new_tokens - 1
+        what = "the prompt, then the answer"
+        if "fold" in s.methods and s.variant == "bos":
+            needed += inserted_positions(s.variant, n - ANSWER_BUDGET, s.chunk_size)
+            what += ", and the fold's BOS before every chunk"
         refusal = position_refusal(
             model, needed, allow_extrapolation=allow_extrapolation, switch=CLI_SWITCH
         )
         require(
             refusal is None,
             "NiahSettings.lengths",
-            f"{n} takes {needed} positions under full attention and the fold (the prompt, then "
-            f"the answer), {refusal}",
+            f"{n} takes {needed} positions under full attention and the fold ({what}), {refusal}",
         )
+        if "fold" in s.methods:
+            check_variant(s.variant, model, None)
         check_foldable(model, needed, allow_extrapolation=allow_extrapolation)
     s.check_runs(model, s.methods)
 

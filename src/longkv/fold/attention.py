@@ -1,10 +1,12 @@
-"""Attention for bounded caches: the model's own softmax attention plus what a cache policy
-needs, an additive bias per cached entry and the probability mass the last queries give each
-entry, through transformers' AttentionInterface.
+"""Attention for bounded caches and fold variants: the model's own softmax attention plus what
+a cache policy needs (an additive bias per cached entry, the probability mass the last queries
+give each entry) or what a fold variant changes (the mask, the cache's storage dtype), through
+transformers' AttentionInterface.
 
 `hooked(model, hooks)` runs the model's attention layers with `bounded_attention` for the
-duration of a forward: plain causal softmax attention (bottom-right aligned: query i of L sees
-the keys up to Lk - L + i), computed in at least float32, with `hooks.bias[layer]` added to the
+duration of a forward: softmax attention under `hooks.mask` (by default causal, bottom-right
+aligned: query i of L sees the keys up to Lk - L + i), computed in at least float32, on keys
+and values rounded to `hooks.store_dtype` if given, with `hooks.bias[layer]` added to the
 logits of every query and, when `hooks.observe > 0`, the probabilities of the last `observe`
 queries summed over them and over the query heads that share each KV head.
 """
@@ -29,12 +31,40 @@ class AttentionHooks:
 
     bias: per layer, None or (B, Hkv, Lk) added to every query's logits on those keys;
     observe: how many of the last queries to sum probabilities over (0: none);
-    seen: filled per layer with (B, Hkv, Lk) float32 probability mass of the observed queries.
+    seen: filled per layer with (B, Hkv, Lk) float32 probability mass of the observed queries;
+    mask: which keys query i of L sees among Lk (`MASKS`);
+    store_dtype: the dtype the cache keeps keys and values in (every read sees them rounded to
+    it), None for the model's own.
     """
 
     bias: list[Tensor | None] | None = None
     observe: int = 0
     seen: dict[int, Tensor] = field(default_factory=dict)
+    mask: str = "causal"
+    store_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        if self.mask not in MASKS:
+            raise ValueError(f"mask: {self.mask!r} is not one of {list(MASKS)}")
+
+
+# which keys j of Lk query i of L sees (the L queries are the last L positions of the keys)
+MASKS = {
+    "causal": "j <= Lk - L + i (bottom-right aligned: the keys up to the query's own)",
+    "top-left": "j <= i (aligned to the first key, as is_causal=True aligns it when L < Lk)",
+    "past-and-self": "j < Lk - L or j == Lk - L + i (earlier chunks and the query's own key)",
+}
+
+
+def visible_keys(mask: str, L: int, Lk: int, device: torch.device | None = None) -> Tensor:
+    """(L, Lk) bool: which keys each of the L queries sees under `mask` (`MASKS`)."""
+    i = torch.arange(L, device=device)[:, None]
+    j = torch.arange(Lk, device=device)[None, :]
+    if mask == "causal":
+        return j <= Lk - L + i
+    if mask == "top-left":
+        return j <= i
+    return (j < Lk - L) | (j == Lk - L + i)
 
 
 _ACTIVE: ContextVar[AttentionHooks | None] = ContextVar("longkv_attention_hooks", default=None)
@@ -51,7 +81,7 @@ def bounded_attention(
     dropout: float = 0.0,
     **kwargs: object,
 ) -> tuple[Tensor, None]:
-    """Causal attention of query (B, H, L, D) on key, value (B, Hkv, Lk, D): output (B, L, H, Dv).
+    """Attention of query (B, H, L, D) on key, value (B, Hkv, Lk, D): output (B, L, H, Dv).
 
     attention_mask is ignored: no mask is built for this implementation, and the fold's rows
     carry no padding.
@@ -61,15 +91,21 @@ def bounded_attention(
         raise RuntimeError(f"attention {NAME!r} runs only inside longkv.fold.attention.hooked")
     used = [name for name in UNSUPPORTED if kwargs.get(name) is not None]
     if used:
-        raise ValueError(f"model: its attention uses {used}, which bounded caches do not support")
+        raise ValueError(
+            f"model: its attention uses {used}, which longkv's attention (bounded caches, fold "
+            "variants) does not support"
+        )
     B, H, L, D = query.shape
     Hkv, Lk = key.shape[1], key.shape[2]
     G = H // Hkv
+    out_dtype = value.dtype
+    if hooks.store_dtype is not None:
+        key, value = key.to(hooks.store_dtype), value.to(hooks.store_dtype)
     high = torch.promote_types(query.dtype, torch.float32)
     scale = D**-0.5 if scaling is None else scaling
     q = query.to(high).view(B, Hkv, G, L, D)
     scores = q @ key.to(high).unsqueeze(2).transpose(-1, -2) * scale  # (B, Hkv, G, L, Lk)
-    visible = torch.ones(L, Lk, dtype=torch.bool, device=query.device).tril(Lk - L)
+    visible = visible_keys(hooks.mask, L, Lk, query.device)
     scores = scores.masked_fill(~visible, float("-inf"))
     layer = getattr(module, "layer_idx", 0)
     bias = None if hooks.bias is None else hooks.bias[layer]
@@ -79,7 +115,7 @@ def bounded_attention(
     if hooks.observe:
         hooks.seen[layer] = probs[..., -hooks.observe :, :].sum(dim=(2, 3)).float()
     out = probs @ value.to(high).unsqueeze(2)  # (B, Hkv, G, L, Dv)
-    return out.to(value.dtype).reshape(B, H, L, -1).transpose(1, 2).contiguous(), None
+    return out.to(out_dtype).reshape(B, H, L, -1).transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register(NAME, bounded_attention)

@@ -20,6 +20,8 @@ from tqdm import tqdm
 from transformers.cache_utils import Cache
 
 from longkv.fold import compat
+from longkv.fold.attention import hooked
+from longkv.fold.variants import check_variant, variant_hooks
 
 Forward = Callable[[Tensor], Tensor]  # token ids (B, L) -> logits (B, L, V), advancing a cache
 
@@ -60,7 +62,12 @@ def chunk_means(nll: Tensor, chunk_size: int) -> Tensor:
 
 
 class FoldRunner:
-    """The fold's accumulator: a cache and the absolute position of the next token."""
+    """The fold's accumulator: a cache and the absolute position of the next token.
+
+    variant: a departure from the exact fold (`longkv.fold.variants`) that the runner makes:
+    'restart' (positions taken mod chunk_size), or one that runs longkv's attention
+    (`variant_hooks`); 'bos' is a prefix, inserted by `score_chunks`.
+    """
 
     def __init__(
         self,
@@ -68,17 +75,29 @@ class FoldRunner:
         cache: Cache | None = None,
         position: int | None = None,
         offload: bool = False,
+        variant: str = "exact",
+        chunk_size: int | None = None,
     ):
+        check_variant(variant, model, None)
+        if variant == "restart" and chunk_size is None:
+            raise ValueError("chunk_size: the 'restart' variant restarts positions every chunk")
         self.model = model
         self.cache = compat.new_cache(model, offload) if cache is None else cache
         self.position = self.cache.get_seq_length() if position is None else position
+        self.period = chunk_size if variant == "restart" else None
+        self.hooks = variant_hooks(variant)
 
     def forward(self, ids: Tensor) -> Tensor:
         """Logits (B, L, V) of ids (B, L) at the next L positions; the cache grows."""
         B, L = ids.shape
         pos = torch.arange(self.position, self.position + L, device=ids.device).expand(B, L)
         self.position += L
-        return compat.forward(self.model, ids, pos, self.cache)
+        if self.period is not None:
+            pos = pos % self.period
+        if self.hooks is None:
+            return compat.forward(self.model, ids, pos, self.cache)
+        with hooked(self.model, self.hooks):
+            return compat.forward(self.model, ids, pos, self.cache)
 
 
 def check_foldable(model: nn.Module, T: int, *, allow_extrapolation: bool = False) -> None:
@@ -224,13 +243,16 @@ def kv_fold(
     allow_extrapolation: bool = False,
     reserve: int = 0,
     offload_cache: bool = False,
+    variant: str = "exact",
     progress: bool = False,
 ) -> FoldResult:
     """Fold `model` over input_ids (B, T) in chunks of chunk_size tokens.
 
-    prefix_ids: (P,) token ids inserted before every chunk (e.g. the BOS), a structural
-    perturbation: they enter the cache and take positions, so the model sees
+    prefix_ids: (P,) token ids inserted before every chunk (e.g. a chat template), a
+    structural perturbation: they enter the cache and take positions, so the model sees
     [prefix, chunk 0, prefix, chunk 1, ...]; only the input tokens are scored.
+    variant: a departure from the exact fold, for studying drift (`longkv.fold.variants`;
+    'bos' inserts the model's BOS as the prefix).
     cache: continue an earlier fold (its length is the position of input_ids[:, 0]).
     reserve: positions to keep within the model's limit after the input (for generation).
     offload_cache: keep the cache in CPU memory between layers, for contexts larger than the
@@ -242,7 +264,10 @@ def kv_fold(
             "offload_cache: the cache already lives in CPU memory when the model runs on the "
             "CPU; offloading is for a model on an accelerator"
         )
-    runner = FoldRunner(model, cache, offload=offload_cache)
+    check_variant(variant, model, prefix_ids)
+    if variant == "bos":
+        prefix_ids = torch.tensor([model.config.bos_token_id])
+    runner = FoldRunner(model, cache, offload=offload_cache, variant=variant, chunk_size=chunk_size)
     P = 0 if prefix_ids is None else prefix_ids.numel()
     T = input_ids.shape[1]
     end = runner.position + T + P * -(-T // chunk_size) + reserve

@@ -30,9 +30,13 @@ def fold_generate(
     eos_token_id: int | None = None,
     prefix_ids: Tensor | None = None,
     allow_extrapolation: bool = False,
+    variant: str = "exact",
     progress: bool = False,
 ) -> Tensor:
-    """Fold a prompt (B, T) (long context, then the question), then greedy-decode (B, n)."""
+    """Fold a prompt (B, T) (long context, then the question), then greedy-decode (B, n).
+
+    variant: as for `kv_fold`; decoding runs under it too (no prefix is inserted while
+    decoding, 'restart' goes on counting positions mod chunk_size)."""
     fold = kv_fold(
         model,
         input_ids,
@@ -40,7 +44,10 @@ def fold_generate(
         prefix_ids=prefix_ids,
         allow_extrapolation=allow_extrapolation,
         reserve=max_new_tokens - 1,  # the last new token is never fed back
+        variant=variant,
         progress=progress,
     )
-    runner = FoldRunner(model, fold.cache, fold.next_position)
+    runner = FoldRunner(
+        model, fold.cache, fold.next_position, variant=variant, chunk_size=chunk_size
+    )
     return greedy_decode(runner.forward, fold.last_logits, max_new_tokens, eos_token_id)

@@ -1,0 +1,81 @@
+"""Fold variants: plausible ways an implementation of KV-Fold departs from the exact fold, one
+change each, to find where a fold's drift against full attention comes from (docs/kvfold.md,
+"Fold variants"). The exact fold stays the default everywhere; a variant is asked for by name.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from longkv.checks import require
+from longkv.fold import compat
+from longkv.fold.attention import AttentionHooks
+
+VARIANTS = {
+    "exact": "the fold of the spec: one full causal forward computed in pieces",
+    "bos": "the model's BOS token re-inserted before every chunk: it enters the cache and takes "
+    "a position, so the model reads [BOS, chunk 0, BOS, chunk 1, ...]",
+    "restart": "positions restart at 0 in every chunk: token i takes position i mod chunk_size, "
+    "so RoPE rotates every chunk as if it were the first",
+    "top-left": "the causal mask aligned to the first key when a chunk's queries are fewer than "
+    "the keys (scaled_dot_product_attention(is_causal=True) with a cache): query i of a chunk "
+    "sees the first i + 1 keys of the cache",
+    "bf16-cache": "keys and values stored in bfloat16 while the model computes in its own, "
+    "wider dtype: every read of the cache sees them rounded",
+    "chunk-excluded": "a chunk's keys join the cache only when the chunk ends: each query sees "
+    "the earlier chunks and its own key, not the tokens before it in its chunk",
+    "float32-softmax": "the fold's attention computed as an explicit softmax in at least float32 "
+    "instead of the model's own kernel (the full forward keeps the model's)",
+}
+VARIANT_HELP = "how the fold departs from the exact fold: " + "; ".join(
+    f"{name}: {what}" for name, what in VARIANTS.items()
+)
+
+
+def require_variants(field: str, *variants: str) -> None:
+    """SettingError on field ("Owner.name") unless every name is a variant."""
+    unknown = sorted(set(variants) - set(VARIANTS))
+    require(not unknown, field, f"unknown {unknown}; choose from {list(VARIANTS)}")
+
+
+def inserted_positions(variant: str, tokens: int, chunk_size: int) -> int:
+    """Positions a variant adds to a fold of `tokens` tokens: one BOS per chunk for 'bos'."""
+    return -(-tokens // chunk_size) if variant == "bos" else 0
+
+
+def check_variant(variant: str, model: nn.Module, prefix_ids: Tensor | None) -> None:
+    """ValueError if the variant is unknown or cannot change this model's fold."""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant: {variant!r} is not one of {list(VARIANTS)}")
+    if prefix_ids is not None and variant != "exact":
+        raise ValueError(
+            f"prefix_ids: a per-chunk prefix is itself a variant of the fold; pass it with "
+            f"variant='exact', not {variant!r}"
+        )
+    if variant == "bos" and getattr(model.config, "bos_token_id", None) is None:
+        raise ValueError("variant: 'bos' needs the model's config.bos_token_id, which is None")
+    if variant_hooks(variant) is not None and not compat.keeps_keys_and_values(model):
+        raise ValueError(
+            f"variant: {variant!r} changes transformers' attention, which "
+            f"{type(model).__name__} does not run (its cache holds KVM states)"
+        )
+    dtype = next(model.parameters()).dtype
+    if variant == "bf16-cache" and dtype.itemsize <= torch.bfloat16.itemsize:
+        raise ValueError(
+            f"variant: 'bf16-cache' stores a wider model's cache in bfloat16; this model "
+            f"computes in {str(dtype).removeprefix('torch.')} already, so nothing would change"
+        )
+
+
+def variant_hooks(variant: str) -> AttentionHooks | None:
+    """The attention a variant runs (`longkv.fold.attention.hooked`), None for the model's own."""
+    if variant == "top-left":
+        return AttentionHooks(mask="top-left")
+    if variant == "chunk-excluded":
+        return AttentionHooks(mask="past-and-self")
+    if variant == "bf16-cache":
+        return AttentionHooks(store_dtype=torch.bfloat16)
+    if variant == "float32-softmax":
+        return AttentionHooks()
+    return None
