@@ -253,16 +253,20 @@ def test_niah_without_both_fold_and_full_claims_no_agreement(
     assert "| passkey | streaming@64 |" in page
 
 
+def fold_and_full(model: str, out: Path, *extra: str) -> list[str]:
+    """`longkv niah` with full attention and the fold (chunks of 64) on one passkey sample,
+    writing out/n.*."""
+    return [
+        "niah", "--model", model, "--tasks", "passkey", "--lengths", "300", "--depths", "0.5",
+        "--methods", "full", "fold", "--chunk-size", "64", "--max-new-tokens", "2",
+        "--out-dir", str(out), "--name", "n", *extra,
+    ]  # fmt: skip
+
+
 def test_a_fold_variant_is_named_on_the_page_and_refused_where_it_changes_nothing(
     tiny_model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    argv = [
-        "niah", "--model", tiny_model, "--tasks", "passkey", "--lengths", "300",
-        "--depths", "0.5", "--methods", "full", "fold", "--chunk-size", "64",
-        "--variant", "top-left", "--max-new-tokens", "2", "--out-dir", str(tmp_path),
-        "--name", "n",
-    ]  # fmt: skip
-    assert main(argv) == 0
+    assert main(fold_and_full(tiny_model, tmp_path, "--variant", "top-left")) == 0
     assert (
         "KV-Fold in chunks of 64, variant top-left: the causal mask aligned"
         in (tmp_path / "n.md").read_text()
@@ -348,12 +352,7 @@ def test_the_fate_table_sizes_founded_slots_only_where_the_answer_founded_some()
 def test_niah_with_fold_and_full_says_whether_they_agree(
     tiny_model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    argv = [
-        "niah", "--model", tiny_model, "--tasks", "passkey", "--lengths", "300",
-        "--depths", "0.5", "--methods", "full", "fold", "--chunk-size", "64",
-        "--max-new-tokens", "2", "--out-dir", str(tmp_path), "--name", "n", "--dtype", "fp64",
-    ]  # fmt: skip
-    assert main(argv) == 0
+    assert main(fold_and_full(tiny_model, tmp_path, "--dtype", "fp64")) == 0
     claim = "The fold's answers equal full attention's on every sample."
     assert claim in capsys.readouterr().out and claim in (tmp_path / "n.md").read_text()
     assert json.loads((tmp_path / "n.json").read_text())["fold_equals_full"] is True

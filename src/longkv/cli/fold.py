@@ -20,9 +20,9 @@ from longkv.fold.methods import METHODS, BoundedOptions, describe_runs
 from longkv.fold.variants import (
     VARIANT_HELP,
     VARIANTS,
-    check_variant,
     inserted_positions,
     require_variants,
+    variant_refusal,
 )
 from longkv.models.pretrained import DEFAULT_MODEL, load_pretrained
 from longkv.results import OUT_DIR, provenance, write_report
@@ -91,12 +91,6 @@ class FoldOptions(BoundedOptions, TextOptions):
         super().__post_init__()
         require_at_least(1, "FoldOptions", self, "chunk_size", "repeats")
         require_variants("FoldOptions.variant", self.variant)
-        require(
-            self.variant != "bf16-cache" or DTYPES[self.dtype].itemsize > 2,
-            "FoldOptions.variant",
-            f"bf16-cache stores a wider model's cache in bfloat16; --dtype {self.dtype} is not "
-            "wider (pick fp32 or fp64)",
-        )
         self.bounded_configs(self.methods)
 
 
@@ -165,7 +159,8 @@ def run_fold(args: argparse.Namespace, argv: list[str]) -> int:
     m, o = args.settings[ModelOptions], args.settings[FoldOptions]
     model, tokenizer = load(m, DTYPES[o.dtype])
     if "fold" in o.methods:
-        check_variant(o.variant, model, None)
+        refusal = variant_refusal(o.variant, model)
+        require(refusal is None, "FoldOptions.variant", str(refusal))
     inserted = inserted_positions(o.variant, o.tokens, o.chunk_size) if "fold" in o.methods else 0
     require_positions(
         model, o.tokens + inserted, "FoldOptions.tokens",
@@ -192,26 +187,27 @@ def run_fold(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
-def drift_runs(o: DriftOptions) -> tuple[list[tuple[str, int, str]], list[str]]:
-    """The (dtype, chunk size, variant) runs of the grid, and why any pair was left out."""
+def drift_runs(
+    o: DriftOptions, model: torch.nn.Module
+) -> tuple[list[tuple[str, int, str]], list[str]]:
+    """The (dtype, chunk size, variant) runs of the grid, and why any (dtype, variant) pair
+    was left out (`variant_refusal`); a SettingError if nothing is left."""
     runs, skipped = [], []
     for dtype in o.dtypes:
         for variant in o.variants:
-            if variant == "bf16-cache" and DTYPES[dtype].itemsize <= torch.bfloat16.itemsize:
-                skipped.append(f"bf16-cache in {dtype} (its cache is that narrow already)")
-                continue
-            runs += [(dtype, size, variant) for size in o.chunk_sizes]
+            refusal = variant_refusal(variant, model, DTYPES[dtype])
+            if refusal is None:
+                runs += [(dtype, size, variant) for size in o.chunk_sizes]
+            else:
+                skipped.append(f"{variant} in {dtype} ({refusal})")
+    require(bool(runs), "DriftOptions.variants", f"nothing can run: {'; '.join(skipped)}")
     return runs, skipped
 
 
 def run_drift(args: argparse.Namespace, argv: list[str]) -> int:
     m, o = args.settings[ModelOptions], args.settings[DriftOptions]
     model, tokenizer = load(m, torch.float32)
-    require(
-        "bos" not in o.variants or model.config.bos_token_id is not None,
-        "DriftOptions.variants",
-        "the model's config has no bos_token_id; leave out bos",
-    )
+    runs, skipped = drift_runs(o, model)
     # the smallest chunk inserts the most
     inserted = max(inserted_positions(v, o.tokens, min(o.chunk_sizes)) for v in o.variants)
     require_positions(
@@ -219,7 +215,6 @@ def run_drift(args: argparse.Namespace, argv: list[str]) -> int:
         m.allow_extrapolation,
     )  # fmt: skip
     ids = _tokens(o, m, tokenizer, model)
-    runs, skipped = drift_runs(o)
     results, references = [], {}
     for dtype, size, variant in tqdm(runs, desc="drift", unit="fold"):
         model = model.to(DTYPES[dtype])

@@ -277,10 +277,15 @@ def check_grid(model: nn.Module, s: NiahSettings, allow_extrapolation: bool = Fa
         # the prompt (length - ANSWER_BUDGET tokens), then all but the last answer token
         n = max(s.lengths)
         needed = n - ANSWER_BUDGET + s.max_new_tokens - 1
-        what = "the prompt, then the answer"
-        if "fold" in s.methods and s.variant == "bos":
-            needed += inserted_positions(s.variant, n - ANSWER_BUDGET, s.chunk_size)
-            what += ", and the fold's BOS before every chunk"
+        inserted = (
+            inserted_positions(s.variant, n - ANSWER_BUDGET, s.chunk_size)
+            if "fold" in s.methods
+            else 0
+        )
+        needed += inserted
+        what = "the prompt, then the answer" + (
+            ", and the fold's BOS before every chunk" if inserted else ""
+        )
         refusal = position_refusal(
             model, needed, allow_extrapolation=allow_extrapolation, switch=CLI_SWITCH
         )
@@ -290,7 +295,7 @@ def check_grid(model: nn.Module, s: NiahSettings, allow_extrapolation: bool = Fa
             f"{n} takes {needed} positions under full attention and the fold ({what}), {refusal}",
         )
         if "fold" in s.methods:
-            check_variant(s.variant, model, None)
+            check_variant(s.variant, model)
         check_foldable(model, needed, allow_extrapolation=allow_extrapolation)
     s.check_runs(model, s.methods)
 

@@ -78,7 +78,7 @@ class FoldRunner:
         variant: str = "exact",
         chunk_size: int | None = None,
     ):
-        check_variant(variant, model, None)
+        check_variant(variant, model)
         if variant == "restart" and chunk_size is None:
             raise ValueError("chunk_size: the 'restart' variant restarts positions every chunk")
         self.model = model
@@ -264,10 +264,14 @@ def kv_fold(
             "offload_cache: the cache already lives in CPU memory when the model runs on the "
             "CPU; offloading is for a model on an accelerator"
         )
-    check_variant(variant, model, prefix_ids)
+    if prefix_ids is not None and variant != "exact":
+        raise ValueError(
+            f"prefix_ids: a per-chunk prefix is itself a variant of the fold; pass it with "
+            f"variant='exact', not {variant!r}"
+        )
+    runner = FoldRunner(model, cache, offload=offload_cache, variant=variant, chunk_size=chunk_size)
     if variant == "bos":
         prefix_ids = torch.tensor([model.config.bos_token_id])
-    runner = FoldRunner(model, cache, offload=offload_cache, variant=variant, chunk_size=chunk_size)
     P = 0 if prefix_ids is None else prefix_ids.numel()
     T = input_ids.shape[1]
     end = runner.position + T + P * -(-T // chunk_size) + reserve

@@ -6,7 +6,7 @@ change each, to find where a fold's drift against full attention comes from (doc
 from __future__ import annotations
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from longkv.checks import require
 from longkv.fold import compat
@@ -44,28 +44,32 @@ def inserted_positions(variant: str, tokens: int, chunk_size: int) -> int:
     return -(-tokens // chunk_size) if variant == "bos" else 0
 
 
-def check_variant(variant: str, model: nn.Module, prefix_ids: Tensor | None) -> None:
-    """ValueError if the variant is unknown or cannot change this model's fold."""
+def variant_refusal(variant: str, model: nn.Module, dtype: torch.dtype | None = None) -> str | None:
+    """Why the variant cannot run, or would change nothing, on this model computing in dtype
+    (default: its parameters' dtype); None if it can run."""
     if variant not in VARIANTS:
-        raise ValueError(f"variant: {variant!r} is not one of {list(VARIANTS)}")
-    if prefix_ids is not None and variant != "exact":
-        raise ValueError(
-            f"prefix_ids: a per-chunk prefix is itself a variant of the fold; pass it with "
-            f"variant='exact', not {variant!r}"
-        )
+        return f"{variant!r} is not one of {list(VARIANTS)}"
     if variant == "bos" and getattr(model.config, "bos_token_id", None) is None:
-        raise ValueError("variant: 'bos' needs the model's config.bos_token_id, which is None")
+        return "'bos' needs the model's config.bos_token_id, which is None"
     if variant_hooks(variant) is not None and not compat.keeps_keys_and_values(model):
-        raise ValueError(
-            f"variant: {variant!r} changes transformers' attention, which "
-            f"{type(model).__name__} does not run (its cache holds KVM states)"
+        return (
+            f"{variant!r} changes transformers' attention, which {type(model).__name__} does not "
+            "run (its cache holds KVM states)"
         )
-    dtype = next(model.parameters()).dtype
+    dtype = next(model.parameters()).dtype if dtype is None else dtype
     if variant == "bf16-cache" and dtype.itemsize <= torch.bfloat16.itemsize:
-        raise ValueError(
-            f"variant: 'bf16-cache' stores a wider model's cache in bfloat16; this model "
-            f"computes in {str(dtype).removeprefix('torch.')} already, so nothing would change"
+        return (
+            "bf16-cache stores a wider model's cache in bfloat16; this model computes in "
+            f"{str(dtype).removeprefix('torch.')} already, so nothing would change"
         )
+    return None
+
+
+def check_variant(variant: str, model: nn.Module) -> None:
+    """ValueError if the variant cannot run, or would change nothing, on this model."""
+    refusal = variant_refusal(variant, model)
+    if refusal is not None:
+        raise ValueError(f"variant: {refusal}")
 
 
 def variant_hooks(variant: str) -> AttentionHooks | None:
