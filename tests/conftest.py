@@ -142,6 +142,19 @@ def tiny_longkv(
     return model
 
 
+def unmapped(model: LongKVForCausalLM) -> LongKVForCausalLM:
+    """The model with every parameter copied out of the checkpoint it was memory-mapped from.
+
+    A model loaded from safetensors keeps its tensors at their offsets in the file (here 40
+    bytes past a 64-byte boundary), and on AMD CPUs MKL's float64 GEMM computes such operands
+    along another path, one ulp away; fresh tensors are 64-byte aligned like a built model's,
+    so a save/load round trip can be compared bit for bit."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data.clone()
+    return model
+
+
 @pytest.fixture(autouse=True)
 def _deterministic() -> None:
     torch.manual_seed(0)

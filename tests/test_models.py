@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import tiny_longkv
+from conftest import tiny_longkv, unmapped
 from longkv.models import LongKVConfig, LongKVForCausalLM
 
 V, T = 53, 40
@@ -73,7 +73,7 @@ def test_save_and_load_reproduce_the_logits(tmp_path: Path) -> None:
     ids = torch.randint(0, V, (1, T))
     model.save_pretrained(tmp_path)
     assert (tmp_path / "model.safetensors").is_file()
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64).eval()
+    loaded = unmapped(AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64).eval())
     assert isinstance(loaded, LongKVForCausalLM)
     assert torch.equal(run(loaded, ids, [0, T]), run(model, ids, [0, T]))
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from transformers import AutoModelForCausalLM
 
-from conftest import assert_close, tiny_longkv
+from conftest import assert_close, tiny_longkv, unmapped
 from longkv.models import LongKVConfig
 from longkv.rwkv import (
     RWKV7,
@@ -191,7 +191,7 @@ def test_save_and_load_reproduce_an_rwkv7_model(tmp_path: Path) -> None:
     with torch.no_grad():
         model.model.layers[2].mixer.r_k.normal_()  # the bonus on, off its init
     model.save_pretrained(tmp_path)
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64).eval()
+    loaded = unmapped(AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64).eval())
     ids = torch.randint(0, V, (1, 13), generator=torch.Generator().manual_seed(10))
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, model(ids).logits)
