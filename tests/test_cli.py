@@ -29,7 +29,7 @@ from longkv.cli.bounded import FATES, fate_rows
 from longkv.cli.main import COMMANDS, build_parser, main
 from longkv.evals import runner
 from longkv.evals.runner import NiahRecord, NiahSettings
-from longkv.results import OUT_DIR
+from longkv.results import OUT_DIR, save_partial
 from longkv.train.tokenizer import gpt2_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -300,7 +300,7 @@ def test_bounded_compares_every_bounded_run_on_one_page(
     first = json.loads((tmp_path / "x" / "b.json").read_text())
     settings = {**first["settings"], "max_new_tokens": 2}
     kept = {"100": first["nll"]["100"]}
-    (tmp_path / "b.nll.json").write_text(json.dumps({"settings": settings, "reports": kept}))
+    save_partial(tmp_path / "b.nll.json", settings, kept)
     # kvm-fold's answers were given by a niah run of the same grid in another process
     niah = [
         "niah", "--model", tiny_model, "--tasks", "passkey", "--lengths", "300", "--depths",
@@ -481,3 +481,43 @@ def test_results_readme_names_each_page_with_its_command_and_commit() -> None:
         here = made if made.endswith(" --out-dir results") else f"{made} --out-dir results"
         assert f"`{here}`" in row, row
         assert f"`{commit.split('`')[1][:7]}" in row, row
+
+
+def test_an_interrupted_drift_grid_resumes_and_a_grown_one_runs_only_what_is_new(
+    tiny_model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    measure = fold_cli.measure_drift
+    calls: list[tuple[int, str]] = []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append((args[2], kwargs["variant"]))
+        if len(calls) == 2 and interrupt:
+            raise KeyboardInterrupt
+        return measure(*args, **kwargs)
+
+    monkeypatch.setattr(fold_cli, "measure_drift", counted)
+    base = ["drift", "--model", tiny_model, "--out-dir", str(tmp_path), "--name", "d",
+            "--tokens", "96", "--chunk-sizes", "16", "32", "--dtypes", "fp64"]  # fmt: skip
+    interrupt = True
+    with pytest.raises(KeyboardInterrupt):
+        main([*base, "--variants", "exact"])
+    assert calls == [(16, "exact"), (32, "exact")]
+    assert [p.name for p in tmp_path.iterdir()] == ["d.runs.json"]  # the first fold is kept
+    interrupt = False
+    assert main([*base, "--variants", "exact", "restart"]) == 0
+    # only what the partial file lacks runs, and the page lists the grid in its own order
+    assert calls[2:] == [(32, "exact"), (16, "restart"), (32, "restart")]
+    saved = json.loads((tmp_path / "d.json").read_text())
+    assert [(r["chunk_size"], r["variant"]) for r in saved["runs"]] == [
+        (16, "exact"), (32, "exact"), (16, "restart"), (32, "restart")
+    ]  # fmt: skip
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.json", "d.md", "d.png"]
+    # a partial file of other settings (more tokens) is not reused
+    first = saved["runs"][0]
+    settings = {**saved["settings"], "tokens": 128}
+    for key in ("chunk_sizes", "dtypes", "variants", "name"):
+        settings.pop(key)
+    save_partial(tmp_path / "d.runs.json", settings, {"fp64/16/exact": first})
+    del calls[:]
+    assert main([*base, "--variants", "exact"]) == 0
+    assert calls == [(16, "exact"), (32, "exact")]

@@ -86,6 +86,21 @@ def write_atomic(path: Path, text: str) -> None:
         tmp.write_text(text)
 
 
+def load_partial(path: Path, settings: dict[str, Any]) -> dict[str, Any]:
+    """The parts a run saved at path (`save_partial`) when its settings equal these, as JSON
+    sees them; {} when there is no file or it came from other settings."""
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text())
+    same = data.get("settings") == json.loads(json.dumps(settings))
+    return dict(data.get("parts", {})) if same else {}
+
+
+def save_partial(path: Path, settings: dict[str, Any], parts: dict[str, Any]) -> None:
+    """Keep the finished parts of a run at path (atomically), for `load_partial` to resume."""
+    write_atomic(path, json.dumps({"settings": settings, "parts": parts}, indent=2))
+
+
 def write_report(stem: Path, title: str, payload: dict[str, Any], body: list[str]) -> list[Path]:
     """<stem>.json (payload, holding "provenance") and <stem>.md (title, provenance, body)."""
     page = [f"# {title}", "", *provenance_lines(payload["provenance"]), *body]

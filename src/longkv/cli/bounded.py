@@ -34,7 +34,7 @@ from longkv.evals.runner import (
     reusable_records,
     run_niah,
 )
-from longkv.results import provenance, write_atomic, write_report
+from longkv.results import load_partial, provenance, save_partial, write_report
 
 FATES = ("exact", "founded", "merged", "dropped")
 
@@ -65,14 +65,6 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
     add_settings(parser, BoundedStudyOptions)
     add_settings(parser, NiahSettings)
     parser.set_defaults(func=run)
-
-
-def saved(path: Path, settings: dict[str, Any]) -> dict[str, Any]:
-    """The NLL reports saved at path by a run with the same settings (none otherwise)."""
-    if not path.is_file():
-        return {}
-    data = json.loads(path.read_text())
-    return data["reports"] if data.get("settings") == settings else {}
 
 
 def memory_rows(nll: dict[str, Any]) -> list[str]:
@@ -139,9 +131,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     prov = provenance(argv)
     # what the results depend on (not where reused answers were read from)
     options = {k: v for k, v in asdict(o).items() if k != "niah_records"}
-    settings = json.loads(json.dumps({**options, **asdict(s), "model": m.model}))
+    settings = {**options, **asdict(s), "model": m.model}
     nll_path = stem.with_suffix(".nll.json")
-    reports = saved(nll_path, settings)
+    reports = load_partial(nll_path, settings)
     ids = text_tokens(tokenizer, longest, o.text, m.corpus_dir)
     labels = tuple(label for label in s.runs if label != "fold")
     for n in sorted(o.nll_tokens):
@@ -153,7 +145,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             allow_extrapolation=m.allow_extrapolation,
         )  # fmt: skip
         reports[str(n)] = report
-        write_atomic(nll_path, json.dumps({"settings": settings, "reports": reports}, indent=2))
+        save_partial(nll_path, settings, reports)
     niah_path = stem.with_suffix(".niah.json")
     niah = run_niah(
         model, tokenizer, s, niah_path, prov, m.corpus_dir, m.allow_extrapolation, reused

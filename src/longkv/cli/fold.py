@@ -14,8 +14,8 @@ from longkv.bench.compare import compare_methods, markdown_rows
 from longkv.checks import require, require_at_least, setting
 from longkv.cli.args import add_settings
 from longkv.data.corpus import DEFAULT_TEXT, text_tokens
-from longkv.fold.drift import drift_table, full_forward, measure_drift, plot_drift
-from longkv.fold.fold import CLI_SWITCH, position_refusal
+from longkv.fold.drift import DriftResult, drift_table, full_forward, measure_drift, plot_drift
+from longkv.fold.fold import CLI_SWITCH, FoldResult, position_refusal
 from longkv.fold.methods import METHODS, BoundedOptions, describe_runs
 from longkv.fold.variants import (
     VARIANT_HELP,
@@ -25,7 +25,7 @@ from longkv.fold.variants import (
     variant_refusal,
 )
 from longkv.models.pretrained import DEFAULT_MODEL, load_pretrained
-from longkv.results import OUT_DIR, provenance, write_report
+from longkv.results import OUT_DIR, load_partial, provenance, save_partial, write_report
 
 DTYPES = {
     "fp64": torch.float64,
@@ -215,8 +215,18 @@ def run_drift(args: argparse.Namespace, argv: list[str]) -> int:
         m.allow_extrapolation,
     )  # fmt: skip
     ids = _tokens(o, m, tokenizer, model)
-    results, references = [], {}
+    stem = Path(m.out_dir) / (o.name or f"drift_{o.tokens}")
+    # finished folds are kept after each one: a rerun of the same text and model, with the grid
+    # interrupted or grown, measures only the folds it lacks
+    partial = stem.with_suffix(".runs.json")
+    grid = ("chunk_sizes", "dtypes", "variants", "name")
+    settings = {**asdict(m), **{k: v for k, v in asdict(o).items() if k not in grid}}
+    done = load_partial(partial, settings)
+    references: dict[str, FoldResult] = {}
     for dtype, size, variant in tqdm(runs, desc="drift", unit="fold"):
+        key = f"{dtype}/{size}/{variant}"
+        if key in done:
+            continue
         model = model.to(DTYPES[dtype])
         if dtype not in references:
             references[dtype] = full_forward(model, ids, m.allow_extrapolation)
@@ -224,8 +234,9 @@ def run_drift(args: argparse.Namespace, argv: list[str]) -> int:
             model, ids, size, DTYPES[dtype], variant=variant, reference=references[dtype],
             allow_extrapolation=m.allow_extrapolation,
         )  # fmt: skip
-        results.append(run)
-    stem = Path(m.out_dir) / (o.name or f"drift_{o.tokens}")
+        done[key] = asdict(run)
+        save_partial(partial, settings, done)
+    results = [DriftResult(**done[f"{d}/{c}/{v}"]) for d, c, v in runs]
     table = drift_table(results)
     body = [
         "",
@@ -249,5 +260,6 @@ def run_drift(args: argparse.Namespace, argv: list[str]) -> int:
     plot_drift(
         results, stem.with_suffix(".png"), f"{m.model}: fold vs full forward, {o.tokens} tokens"
     )
+    partial.unlink()
     print(f"wrote {stem}.json, {stem}.md, {stem}.png")
     return 0
