@@ -42,7 +42,20 @@ def _release_free_heap() -> None:
 
 
 _heap_kept = False
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
+
+
+def _share_one_arena() -> None:
+    """Stop glibc from giving threads arenas of their own (M_ARENA_MAX 1).
+
+    torch's worker threads otherwise allocate from per-thread arenas whose pages are neither
+    reused by the main thread nor released between calls, so the resident high-water mark of
+    the same call moved by tens of MiB from run to run (a kvm-fold read of 2K and 8K tokens,
+    2 threads: 166-225 MiB; with one arena 160-168 MiB). Arenas made before the call stay.
+    """
+    mallopt = _libc_function("mallopt")
+    if mallopt is not None:
+        mallopt(_M_ARENA_MAX, 1)
 
 
 def keep_freed_heap(keep: bool = True) -> bool:
@@ -91,10 +104,11 @@ def peak_memory(fn: Callable[[], R], device: torch.device) -> tuple[R, int | Non
     """Run fn and return (its result, peak bytes allocated above the level before the call).
 
     CUDA: torch.cuda.max_memory_allocated. CPU: the rise of the resident-set high-water mark
-    (VmHWM, reset first, free heap returned first); None where it cannot be measured. When the
-    process keeps freed heap (`keep_freed_heap`, the benchmarks), glibc maps each large block on
-    its own for the call, so the rise follows live memory; otherwise glibc's own settings are
-    left alone and the rise may include memory it keeps for reuse.
+    (VmHWM, reset first, free heap returned first); None where it cannot be measured. On CPU the
+    process's threads share one allocator arena from the first call on (`_share_one_arena`).
+    When the process keeps freed heap (`keep_freed_heap`, the benchmarks), glibc maps each large
+    block on its own for the call, so the rise follows live memory; otherwise its trim and mmap
+    thresholds are left alone and the rise may include memory it keeps for reuse.
     """
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -108,6 +122,7 @@ def peak_memory(fn: Callable[[], R], device: torch.device) -> tuple[R, int | Non
     kept = _heap_kept
     if kept:
         keep_freed_heap(False)
+    _share_one_arena()
     _release_free_heap()
     _CLEAR_REFS.write_text("5")
     before = _status_bytes("VmRSS")
