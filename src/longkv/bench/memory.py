@@ -50,8 +50,7 @@ def _share_one_arena() -> None:
 
     torch's worker threads otherwise allocate from per-thread arenas whose pages are neither
     reused by the main thread nor released between calls, so the resident high-water mark of
-    the same call moved by tens of MiB from run to run (a kvm-fold read of 2K and 8K tokens,
-    2 threads: 166-225 MiB; with one arena 160-168 MiB). Arenas made before the call stay.
+    the same call moved by tens of MiB from run to run. Arenas made before the call stay.
     """
     mallopt = _libc_function("mallopt")
     if mallopt is not None:
