@@ -317,6 +317,17 @@ def test_bounded_compares_every_bounded_run_on_one_page(
     assert main([*argv(2, tmp_path), "--niah-records", str(tmp_path / "x" / "c.json")]) == 2
     said = capsys.readouterr().err
     assert "error: argument --methods: " in said and "(['depths'] differ)" in said
+    # an option only kvm-fold reads refuses the file's kvm-fold answers; one only the fold
+    # reads changes none of them
+    data = json.loads(other.read_text())
+    data["settings"]["kvm_count_bias"] = True
+    (tmp_path / "x" / "c.json").write_text(json.dumps(data))
+    assert main([*argv(2, tmp_path), "--niah-records", str(tmp_path / "x" / "c.json")]) == 2
+    assert "(['kvm_count_bias'] differ)" in capsys.readouterr().err
+    data = json.loads(other.read_text())
+    data["settings"]["chunk_size"] = 999
+    other = tmp_path / "x" / "c.json"
+    other.write_text(json.dumps(data))
     assert main([*argv(2, tmp_path), "--niah-records", str(other)]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "b.json",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -125,9 +126,25 @@ def peak_memory(fn: Callable[[], R], device: torch.device) -> tuple[R, int | Non
     _release_free_heap()
     _CLEAR_REFS.write_text("5")
     before = _status_bytes("VmRSS")
+    done = threading.Event()
+    trimmer = threading.Thread(target=_trim_until, args=(done,), daemon=True)
+    trimmer.start()
     try:
         result = fn()
         return result, max(0, _status_bytes("VmHWM") - before)
     finally:
+        done.set()
+        trimmer.join()
         if kept:
             keep_freed_heap(True)
+
+
+def _trim_until(done: threading.Event, every_s: float = 0.005) -> None:
+    """Return freed heap pages to the OS every `every_s` seconds until `done` is set.
+
+    glibc serves a request from the free chunks an earlier call left in its heap before it maps
+    new memory, and a freed chunk's pages stay resident until a trim; without this the
+    high-water mark counts every page of that free pool the call touched, not what it held.
+    """
+    while not done.wait(every_s):
+        _release_free_heap()

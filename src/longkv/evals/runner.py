@@ -35,7 +35,14 @@ from longkv.fold.bounded import bounded_generate
 from longkv.fold.fold import CLI_SWITCH, check_foldable, position_refusal
 from longkv.fold.generate import fold_generate
 from longkv.fold.kvm_cache import KVMFoldRunner
-from longkv.fold.methods import METHODS, BoundedOptions, make_runner, split_label
+from longkv.fold.methods import (
+    BOUNDED,
+    METHODS,
+    BoundedOptions,
+    make_runner,
+    method_of,
+    split_label,
+)
 from longkv.fold.variants import (
     VARIANT_HELP,
     VARIANTS,
@@ -247,23 +254,40 @@ def run_niah(
 
 # the settings that choose which methods run; the others must agree for answers to be reused
 RUN_FIELDS = ("methods", "budgets", "kvm_states")
+# settings that only some methods read: a difference in one keeps the other methods' answers
+ONLY_FOR = {
+    "chunk_size": ("fold",),
+    "variant": ("fold",),
+    "sinks": BOUNDED,
+    "stream_chunk": BOUNDED,
+    "window": ("snapkv", "kvm-fold"),
+    **{f.name: ("kvm-fold",) for f in fields(BoundedOptions) if f.name.startswith("kvm_")},
+}
 
 
 def reusable_records(path: Path, s: NiahSettings) -> tuple[list[NiahRecord], dict[str, Any]]:
     """The answers in a niah result file (`NiahRun.save`) to runs of this grid, and the file's
-    provenance; a SettingError if the file's grid or method options differ from these."""
+    provenance; a SettingError if the file's grid, or an option that one of its runs here
+    reads (`ONLY_FOR`), differs from these."""
     data = json.loads(path.read_text())
     ours = json.loads(json.dumps(asdict(s)))
     theirs = saved_settings(data)
-    differ = sorted(k for k in ours if k not in RUN_FIELDS and theirs[k] != ours[k])
+    runs = set(s.runs)
+    records = [NiahRecord(**r) for r in data["records"] if r["method"] in runs]
+    methods = {method_of(r.method) for r in records}
+    differ = sorted(
+        k
+        for k in ours
+        if k not in RUN_FIELDS
+        and theirs[k] != ours[k]
+        and (k not in ONLY_FOR or methods & set(ONLY_FOR[k]))
+    )
     require(
         not differ,
         "NiahSettings.methods",
         f"{path} answered another grid or other method options ({differ} differ); its answers "
         "cannot be reused",
     )
-    runs = set(s.runs)
-    records = [NiahRecord(**r) for r in data["records"] if r["method"] in runs]
     return records, data.get("provenance", {})
 
 
