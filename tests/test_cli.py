@@ -489,7 +489,7 @@ def test_results_readme_names_each_page_with_its_command_and_commit() -> None:
         commit = next(line for line in head if line.startswith("- commit: `"))
         # the command that made the page, told to write here again (if it did not already)
         made = command.split("`")[1]
-        here = made if made.endswith(" --out-dir results") else f"{made} --out-dir results"
+        here = made if " --out-dir results " in f"{made} " else f"{made} --out-dir results"
         assert f"`{here}`" in row, row
         assert f"`{commit.split('`')[1][:7]}" in row, row
 
