@@ -49,9 +49,9 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
 def _share_one_arena() -> None:
     """Stop glibc from giving threads arenas of their own (M_ARENA_MAX 1).
 
-    torch's worker threads otherwise allocate from per-thread arenas whose pages are neither
-    reused by the main thread nor released between calls, so the resident high-water mark of
-    the same call moved by tens of MiB from run to run. Arenas made before the call stay.
+    With an arena per torch worker thread, where a block lands depends on scheduling, and the
+    resident high-water mark of the same call moved by tens of MiB from run to run (2 threads;
+    with 1 thread, or one arena, it held within a few). Arenas made before the call stay.
     """
     mallopt = _libc_function("mallopt")
     if mallopt is not None:
