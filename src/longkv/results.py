@@ -93,7 +93,7 @@ def load_partial(path: Path, settings: dict[str, Any]) -> dict[str, Any]:
         return {}
     data = json.loads(path.read_text())
     same = data.get("settings") == json.loads(json.dumps(settings))
-    return dict(data.get("parts", {})) if same else {}
+    return data.get("parts", {}) if same else {}
 
 
 def save_partial(path: Path, settings: dict[str, Any], parts: dict[str, Any]) -> None:

@@ -60,8 +60,12 @@ def _runs(
         "fold": (chunk_size, lambda ids: fold(ids, chunk_size, variant, True)),
     }
     for label, config in bounded.items():
-        run = functools.partial(run_bounded, model, config=config, chunk_size=stream_chunk)
-        runs[label] = (stream_chunk, lambda ids, run=run: run(ids, progress=True))
+        runs[label] = (
+            stream_chunk,
+            functools.partial(
+                run_bounded, model, config=config, chunk_size=stream_chunk, progress=True
+            ),
+        )
     return runs
 
 

@@ -50,8 +50,8 @@ def _share_one_arena() -> None:
     """Stop glibc from giving threads arenas of their own (M_ARENA_MAX 1).
 
     With an arena per torch worker thread, where a block lands depends on scheduling, and the
-    resident high-water mark of the same call moved by tens of MiB from run to run (2 threads;
-    with 1 thread, or one arena, it held within a few). Arenas made before the call stay.
+    resident high-water mark of the same call moved from run to run with 2 threads but not
+    with 1. Arenas made before the call stay.
     """
     mallopt = _libc_function("mallopt")
     if mallopt is not None:
@@ -104,8 +104,9 @@ def peak_memory(fn: Callable[[], R], device: torch.device) -> tuple[R, int | Non
     """Run fn and return (its result, peak bytes allocated above the level before the call).
 
     CUDA: torch.cuda.max_memory_allocated. CPU: the rise of the resident-set high-water mark
-    (VmHWM, reset first, free heap returned first); None where it cannot be measured. On CPU the
-    process's threads share one allocator arena from the first call on (`_share_one_arena`).
+    (VmHWM, reset first, free heap returned first and again every 5 ms while fn runs,
+    `_trim_until`); None where it cannot be measured. On CPU the process's threads share one
+    allocator arena from the first call on (`_share_one_arena`).
     When the process keeps freed heap (`keep_freed_heap`, the benchmarks), glibc maps each large
     block on its own for the call, so the rise follows live memory; otherwise its trim and mmap
     thresholds are left alone and the rise may include memory it keeps for reuse.
