@@ -9,7 +9,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from longkv.fold import FoldRunner, fold_generate, kv_fold
 from longkv.fold.attention import visible_keys
 from longkv.fold.compat import CACHE_ARG
-from longkv.fold.drift import DriftResult, depth_bins
+from longkv.fold.drift import DriftResult, depth_bins, plateau_table
 from longkv.models import LongKVConfig, LongKVForCausalLM
 
 V, T = 97, 60
@@ -172,4 +172,18 @@ def test_bad_variants_are_refused() -> None:
 def test_drift_is_averaged_over_depth_bins() -> None:
     r = DriftResult(16, "float32", "exact", [float(i) for i in range(9)], [0.0] * 9, 1.0)
     assert r.depth_means() == [1.0, 2.5, 5.5, 8.0]  # depths 1, 2-3, 4-7, 8
+    assert r.depth_centres() == [1.0, 2.5, 5.5, 8.0]  # the last bin holds depth 8 alone
     assert depth_bins(4) == ["1", "2-3", "4-7", "8-15"]
+
+
+def test_the_plateau_is_the_mean_past_depth_7_and_its_deeper_half_minus_its_shallower() -> None:
+    # drift 5 at depths 0-7 (left out), then 1.0 at depths 8-11 and 1.5 at depths 12-15
+    drift = [5.0] * 8 + [1.0] * 4 + [1.5] * 4
+    fp32 = DriftResult(16, "float32", "bos", drift, [0.0] * 16, 1.0)
+    assert fp32.plateau() == (1.25, 0.5)
+    assert DriftResult(16, "float32", "bos", [0.0] * 9, [0.0] * 9, 1.0).plateau() is None
+    bf16 = DriftResult(16, "bfloat16", "bos", [2 * d for d in drift], [0.0] * 16, 1.0)
+    short = DriftResult(256, "float32", "bos", [0.0] * 4, [0.0] * 4, 1.0)
+    table = plateau_table([fp32, bf16, short])
+    assert "| 16 | bos | +1.25e+00 | +5.0e-01 | +2.50e+00 | +1.0e+00 | 2 |" in table
+    assert "| 256 |" not in table  # too few chunks for a plateau

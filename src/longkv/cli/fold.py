@@ -14,7 +14,15 @@ from longkv.bench.compare import compare_methods, markdown_rows
 from longkv.checks import require, require_at_least, setting
 from longkv.cli.args import add_settings
 from longkv.data.corpus import DEFAULT_TEXT, text_tokens
-from longkv.fold.drift import DriftResult, drift_table, full_forward, measure_drift, plot_drift
+from longkv.fold.drift import (
+    PLATEAU_FROM,
+    DriftResult,
+    drift_table,
+    full_forward,
+    measure_drift,
+    plateau_table,
+    plot_drift,
+)
 from longkv.fold.fold import CLI_SWITCH, FoldResult, position_refusal
 from longkv.fold.methods import METHODS, BoundedOptions, describe_runs
 from longkv.fold.variants import (
@@ -248,6 +256,12 @@ def run_drift(args: argparse.Namespace, argv: list[str]) -> int:
         *(["", "Left out: " + ", ".join(skipped) + "."] if skipped else []),
         "",
         table,
+        f"The plateau: the mean drift over depths >= {PLATEAU_FROM} (the paper's drift has "
+        "saturated by depth 7), and the mean over the deeper half of those depths minus the",
+        "mean over the shallower half (0 when flat); with several dtypes, the ratio of each",
+        "dtype's plateau to the first's (1 when the precision changes nothing).",
+        "",
+        plateau_table(results),
         f"![drift]({stem.name}.png)",
     ]
     print(table)

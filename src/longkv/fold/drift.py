@@ -17,6 +17,18 @@ from torch import Tensor, nn
 from longkv.fold.fold import FoldResult, chunk_means, kv_fold
 from longkv.results import pyplot, save_figure
 
+# the paper's drift has saturated by depth 7
+PLATEAU_FROM = 8
+
+
+def _mean(x: list[float]) -> float:
+    return sum(x) / len(x)
+
+
+def _bin_edges(n: int) -> list[tuple[int, int]]:
+    """[2^k, 2^(k+1)) for the depths 1 .. n-1 of n chunks."""
+    return [(2**k, 2 ** (k + 1)) for k in range((n - 1).bit_length())]
+
 
 @dataclass(frozen=True)
 class DriftResult:
@@ -39,9 +51,22 @@ class DriftResult:
 
     def depth_means(self) -> list[float]:
         """Mean drift over depth bins 1, 2-3, 4-7, ..., [2^k, 2^(k+1)) (chunk 0 left out)."""
-        d = self.drift
-        bins = [d[2**k : 2 ** (k + 1)] for k in range((len(d) - 1).bit_length())]
-        return [sum(b) / len(b) for b in bins]
+        return [_mean(self.drift[lo:hi]) for lo, hi in _bin_edges(len(self.drift))]
+
+    def depth_centres(self) -> list[float]:
+        """The mean depth of the chunks in each bin of `depth_means`."""
+        n = len(self.drift)
+        return [(lo + min(hi, n) - 1) / 2 for lo, hi in _bin_edges(n)]
+
+    def plateau(self, start: int = PLATEAU_FROM) -> tuple[float, float] | None:
+        """The mean drift over depths >= start, and the mean over the deeper half of those
+        depths minus the mean over the shallower half (about 0 on a flat plateau); None with
+        fewer than two such depths."""
+        d = self.drift[start:]
+        if len(d) < 2:
+            return None
+        half = len(d) // 2
+        return _mean(d), _mean(d[half:]) - _mean(d[:half])
 
 
 def measure_drift(
@@ -107,9 +132,36 @@ def drift_table(results: list[DriftResult]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plateau_table(results: list[DriftResult]) -> str:
+    """Markdown: per chunk size and variant, each dtype's plateau (mean drift over depths >=
+    PLATEAU_FROM) and its deeper-minus-shallower change, and with two or more dtypes the ratio
+    of each later dtype's plateau to the first's (1 = unchanged by the precision)."""
+    dtypes = list(dict.fromkeys(r.dtype for r in results))
+    runs = {(r.chunk_size, r.variant, r.dtype): r for r in results}
+    rows = list(dict.fromkeys((r.chunk_size, r.variant) for r in results))
+    head = ["chunk", "variant"]
+    for d in dtypes:
+        head += [f"plateau {d}", f"deeper - shallower {d}"]
+    head += [f"{d} / {dtypes[0]}" for d in dtypes[1:]]
+    lines = ["| " + " | ".join(head) + " |", "|---:|---|" + "---:|" * (len(head) - 2)]
+    for size, variant in rows:
+        stats = [p for d in dtypes if (p := _plateau(runs.get((size, variant, d)))) is not None]
+        if len(stats) < len(dtypes):
+            continue  # a dtype left this variant out, or too few chunks for a plateau
+        cells = [f"{m:+.2e} | {c:+.1e}" for m, c in stats]
+        cells += [f"{m / stats[0][0]:.3g}" if stats[0][0] else "" for m, _ in stats[1:]]
+        lines.append(f"| {size} | {variant} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _plateau(run: DriftResult | None) -> tuple[float, float] | None:
+    return None if run is None else run.plateau()
+
+
 def plot_drift(results: list[DriftResult], path: Path, title: str) -> None:
-    """Drift against chunk depth (log axis), one panel per variant; colour = chunk size,
-    solid = the first dtype, dashed = the others."""
+    """Drift against chunk depth (log axis), one panel per variant: the mean of each depth bin
+    (markers) over the drift of every chunk (faint); colour = chunk size, solid = the first
+    dtype, dashed = the others."""
     plt = pyplot()
     variants = list(dict.fromkeys(r.variant for r in results))
     dtypes = list(dict.fromkeys(r.dtype for r in results))
@@ -123,10 +175,12 @@ def plot_drift(results: list[DriftResult], path: Path, title: str) -> None:
     for ax, variant in zip(axes.flat, variants, strict=False):
         for r in (r for r in results if r.variant == variant):
             style = "-" if r.dtype == dtypes[0] else "--"
-            depth = range(1, len(r.drift))
+            colour = colours[r.chunk_size]
+            ax.plot(range(1, len(r.drift)), r.drift[1:], style, color=colour, linewidth=0.5,
+                    alpha=0.25)  # fmt: skip
             ax.plot(
-                depth, r.drift[1:], style, color=colours[r.chunk_size], linewidth=0.9,
-                label=f"C={r.chunk_size}, {r.dtype}",
+                r.depth_centres(), r.depth_means(), style, marker="o", markersize=3,
+                color=colour, linewidth=1.2, label=f"C={r.chunk_size}, {r.dtype}",
             )  # fmt: skip
         ax.set_xscale("log")
         ax.set_yscale("symlog", linthresh=1e-6)
