@@ -256,7 +256,7 @@ def run_drift(args: argparse.Namespace, argv: list[str]) -> int:
         *(["", "Left out: " + ", ".join(skipped) + "."] if skipped else []),
         "",
         table,
-        f"The plateau: the mean drift over depths >= {PLATEAU_FROM} (the paper's drift has "
+        f"The plateau: the mean drift over depths >= {PLATEAU_FROM} (the paper's drift has",
         "saturated by depth 7), and the mean over the deeper half of those depths minus the",
         "mean over the shallower half (0 when flat); with several dtypes, the ratio of each",
         "dtype's plateau to the first's (1 when the precision changes nothing).",

@@ -149,7 +149,7 @@ def plateau_table(results: list[DriftResult]) -> str:
         if len(stats) < len(dtypes):
             continue  # a dtype left this variant out, or too few chunks for a plateau
         cells = [f"{m:+.2e} | {c:+.1e}" for m, c in stats]
-        cells += [f"{m / stats[0][0]:.3g}" if stats[0][0] else "" for m, _ in stats[1:]]
+        cells += [f"{m / stats[0][0]:.4g}" if stats[0][0] else "" for m, _ in stats[1:]]
         lines.append(f"| {size} | {variant} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
