@@ -472,7 +472,8 @@ def test_a_model_with_learned_positions_never_runs_past_them(
     assert not list(tmp_path.iterdir())
 
 
-WRITTEN_PAGES = {"study_verdicts.md"}  # a reading of other pages, no command of its own
+# readings of other pages, no command of their own
+WRITTEN_PAGES = {"study_verdicts.md", "kvfold_verdicts.md"}
 
 
 def test_results_readme_names_each_page_with_its_command_and_commit() -> None:
