@@ -116,6 +116,93 @@ def attention_logits(q: Tensor, k: Tensor, scale: float) -> Tensor:
     return ((q * scale).view(B, Hkv, G * Lq, Dk) @ k.transpose(-1, -2)).view(B, Hkv, G, Lq, -1)
 
 
+@dataclass(frozen=True)
+class KeySet:
+    """One set of keys for `attend_key_sets`: grouped queries q (B, Hkv, G, Lq, Dk), with the
+    softmax scale (and any temperature) already multiplied in, against keys k (B, Hkv, Lk, Dk)
+    and values v (B, Hkv, Lk, Dv); hide: (Lq, Lm) bool, True = not visible, for the last Lm
+    keys (the others are visible to every query), or None."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    hide: Tensor | None = None
+
+
+# the fused CPU kernel behind scaled_dot_product_attention, which also returns the log-sum-exp
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def attend_key_sets(sets: list[KeySet]) -> Tensor:
+    """Softmax attention of the same queries over the union of several key sets, as if their
+    logits were concatenated into one softmax. Returns (B, Hkv, G, Lq, Dv).
+
+    Without autograd on the CPU, each set runs through torch's fused attention kernel, which
+    never materialises the logits, and the sets are merged by their log-sum-exp; otherwise
+    (gradients, other devices) the logits are computed, concatenated and softmaxed.
+    """
+    first = sets[0].q
+    if not _fused(sets):
+        return _attend_concatenated(sets)
+    B, Hkv, G, Lq, Dk = first.shape
+    Dv = sets[0].v.shape[-1]
+    D = max(Dk, Dv)  # the kernel takes one head size: zero channels change no logit or value
+    out, lse = None, None
+    for s in sets:
+        q = _widen(s.q.reshape(B, Hkv, G * Lq, Dk), D)  # the G heads of a group share the keys
+        mask = None if s.hide is None else _additive_mask(s.hide, s.k.shape[2], G, q)
+        o, m = _FLASH_CPU(q, _widen(s.k, D), _widen(s.v, D), attn_mask=mask, scale=1.0)[:2]
+        if out is None or lse is None:
+            out, lse = o, m
+        else:  # softmax over both sets: each part weighted by its share of exp(lse)
+            w = torch.sigmoid(m - lse).unsqueeze(-1).to(o.dtype)
+            out = out + w * (o - out)
+            lse = torch.logaddexp(lse, m)
+    assert out is not None
+    return out[..., :Dv].reshape(B, Hkv, G, Lq, Dv)
+
+
+def _widen(t: Tensor, D: int) -> Tensor:
+    """t (..., d) with zero channels appended up to D."""
+    return t if t.shape[-1] == D else torch.nn.functional.pad(t, (0, D - t.shape[-1]))
+
+
+def _fused(sets: list[KeySet]) -> bool:
+    """Whether the fused CPU kernel runs the sets: on the CPU, without gradients."""
+    if _FLASH_CPU is None or sets[0].q.device.type != "cpu":
+        return False
+    tensors = [t for s in sets for t in (s.q, s.k, s.v)]
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
+def _additive_mask(hide: Tensor, Lk: int, G: int, like: Tensor) -> Tensor:
+    """(G * Lq, Lk) in like's dtype: -inf where hide (Lq, Lm) hides one of the last Lm keys."""
+    Lq, Lm = hide.shape
+    mask = like.new_zeros(Lq, Lk)
+    mask[:, Lk - Lm :].masked_fill_(hide, float("-inf"))
+    return mask.repeat(G, 1)
+
+
+def _attend_concatenated(sets: list[KeySet]) -> Tensor:
+    B, Hkv, G, Lq, _ = sets[0].q.shape
+    logits = []
+    for s in sets:
+        part = (s.q.reshape(B, Hkv, G * Lq, -1) @ s.k.transpose(-1, -2)).view(B, Hkv, G, Lq, -1)
+        if s.hide is not None:
+            part[..., part.shape[-1] - s.hide.shape[1] :].masked_fill_(s.hide, float("-inf"))
+        logits.append(part)
+    probs = torch.softmax(torch.cat(logits, dim=-1) if len(logits) > 1 else logits[0], dim=-1)
+    probs = probs.view(B, Hkv, G * Lq, -1)
+    out, at = None, 0
+    for s in sets:
+        n = s.k.shape[2]
+        o = probs[..., at : at + n] @ s.v
+        out = o if out is None else out + o
+        at += n
+    assert out is not None
+    return out.view(B, Hkv, G, Lq, -1)
+
+
 def attend(logits: Tensor, v: Tensor, hide: Tensor | None = None) -> Tensor:
     """Softmax of logits (B, Hkv, G, Lq, Lk) over keys, then the average of v (B, Hkv, Lk, Dv).
 

@@ -49,10 +49,14 @@ def full_attention(
     *,
     state: WindowCache | None = None,
     scale: float | None = None,
+    donate: bool = False,
 ) -> tuple[Tensor, WindowCache]:
-    """Causal softmax attention over every token so far (torch SDPA); the cache keeps them all."""
+    """Causal softmax attention over every token so far (torch SDPA); the cache keeps them all.
+
+    donate: the given cache may be changed in place (`WindowCache.extend`).
+    """
     dims = check_qkv(q, k, v)
-    cache = check_cache(state, k, v, dims).extend(k, v)
+    cache = check_cache(state, k, v, dims).extend(k, v, own=donate)
     n0 = cache.seen - dims.T
     K, V = cache.k, cache.v  # (B, Hkv, n0 + T, D)
     if dims.groups > 1:
@@ -76,18 +80,20 @@ def banded_attention(
     *,
     state: WindowCache | None = None,
     scale: float | None = None,
+    donate: bool = False,
 ) -> tuple[Tensor, WindowCache]:
     """Causal attention where the query at position p sees keys [max(0, lo(p)), p].
 
     lo must be non-decreasing and work on ints and integer tensors alike. Queries are processed
     in blocks of `block_len` aligned to absolute positions; the returned cache keeps the tokens
-    [lo(seen), seen) that the next query reads.
+    [lo(seen), seen) that the next query reads; donate: the given cache may be changed in
+    place (`WindowCache.extend`).
     """
     dims = check_qkv(q, k, v)
     cache = check_cache(state, k, v, dims)
     n0 = cache.seen
     cache.require_from(max(0, lo(n0)), "the next query")
-    cache = cache.extend(k, v)
+    cache = cache.extend(k, v, own=donate)
     n1, base = cache.seen, cache.start
     qg, scale = group_heads(q, dims.Hkv), logit_scale(dims, scale)  # (B, Hkv, G, T, Dk)
     pos = torch.arange(n1, device=q.device)
@@ -129,12 +135,14 @@ def sliding_window_attention(
     *,
     state: WindowCache | None = None,
     scale: float | None = None,
+    donate: bool = False,
 ) -> tuple[Tensor, WindowCache]:
     """SWA: the query at p sees the `window` most recent keys [p - window + 1, p]."""
     check_window(window)
     return banded_attention(
-        q, k, v, lambda p: p - window + 1, max(window, 64), state=state, scale=scale
-    )
+        q, k, v, lambda p: p - window + 1, max(window, 64), state=state, scale=scale,
+        donate=donate,
+    )  # fmt: skip
 
 
 def block_sliding_window_attention(
@@ -146,6 +154,7 @@ def block_sliding_window_attention(
     *,
     state: WindowCache | None = None,
     scale: float | None = None,
+    donate: bool = False,
 ) -> tuple[Tensor, WindowCache]:
     """BSWA: the query at p in chunk c = p // C sees keys [(c - N + 1) * C, p]."""
     check_blocks(chunk_len, window_chunks)
@@ -157,4 +166,5 @@ def block_sliding_window_attention(
         chunk_len,
         state=state,
         scale=scale,
+        donate=donate,
     )

@@ -132,8 +132,11 @@ class AttentionLayer(nn.Module):
             v,
         )
 
-    def mix(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, state: Any) -> tuple[Tensor, Any]:
-        """The attention proper: (out (B, H, T, D), state)."""
+    def mix(
+        self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, state: Any, donate: bool = False
+    ) -> tuple[Tensor, Any]:
+        """The attention proper: (out (B, H, T, D), state); donate: the given state may be
+        changed in place (its holder keeps only the returned one)."""
         raise NotImplementedError
 
     def forward(self, x: Tensor, state: Any = None) -> tuple[Tensor, Any]:
@@ -148,11 +151,13 @@ class AttentionLayer(nn.Module):
         *,
         x_prev: Tensor | None = None,
         v_first: Tensor | None = None,
+        donate: bool = False,
     ) -> tuple[Tensor, Any, Tensor]:
         """`forward` with token shift and value residual: -> (y, state, v (B, Hkv, T, D)).
 
         x_prev (B, T, d_model): the input one token earlier (token_shift); v_first: the first
-        layer's values (value_residual); v: this layer's own values, before the residual.
+        layer's values (value_residual); v: this layer's own values, before the residual;
+        donate: the given state may be changed in place (see `mix`).
         """
         if x.dim() != 3 or x.shape[-1] != self.config.d_model:
             raise ValueError(
@@ -168,7 +173,7 @@ class AttentionLayer(nn.Module):
                 )
             lam = torch.sigmoid(self.value_mix).view(1, -1, 1, 1)
             mixed_v = v + lam * (v_first - v)
-        out, state = self.mix(q, k, mixed_v, x, state)
+        out, state = self.mix(q, k, mixed_v, x, state, donate)
         B, T, _ = x.shape
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), state, v
 
@@ -177,9 +182,10 @@ class FullAttention(AttentionLayer):
     """Causal softmax attention over every earlier token (the cache grows with the sequence)."""
 
     def mix(
-        self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, state: WindowCache | None
-    ) -> tuple[Tensor, WindowCache]:
-        return full_attention(q, k, v, state=state)
+        self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, state: WindowCache | None,
+        donate: bool = False,
+    ) -> tuple[Tensor, WindowCache]:  # fmt: skip
+        return full_attention(q, k, v, state=state, donate=donate)
 
 
 class SlidingWindowAttention(AttentionLayer):
@@ -191,9 +197,10 @@ class SlidingWindowAttention(AttentionLayer):
         self.window = window
 
     def mix(
-        self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, state: WindowCache | None
-    ) -> tuple[Tensor, WindowCache]:
-        return sliding_window_attention(q, k, v, self.window, state=state)
+        self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, state: WindowCache | None,
+        donate: bool = False,
+    ) -> tuple[Tensor, WindowCache]:  # fmt: skip
+        return sliding_window_attention(q, k, v, self.window, state=state, donate=donate)
 
 
 class BlockSlidingWindowAttention(AttentionLayer):
@@ -205,8 +212,9 @@ class BlockSlidingWindowAttention(AttentionLayer):
         self.chunk_len, self.window_chunks = chunk_len, window_chunks
 
     def mix(
-        self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, state: WindowCache | None
-    ) -> tuple[Tensor, WindowCache]:
+        self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, state: WindowCache | None,
+        donate: bool = False,
+    ) -> tuple[Tensor, WindowCache]:  # fmt: skip
         return block_sliding_window_attention(
-            q, k, v, self.chunk_len, self.window_chunks, state=state
+            q, k, v, self.chunk_len, self.window_chunks, state=state, donate=donate
         )

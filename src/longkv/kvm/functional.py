@@ -16,8 +16,8 @@ from torch import Tensor
 
 from longkv.attention.core import (
     Dims,
-    attend,
-    attention_logits,
+    KeySet,
+    attend_key_sets,
     check_optional,
     check_qkv,
     group_heads,
@@ -25,9 +25,9 @@ from longkv.attention.core import (
     logit_scale,
     ungroup_heads,
 )
-from longkv.attention.state import WindowCache
+from longkv.attention.state import Rows, WindowCache
 from longkv.kvm.config import KVMConfig, desired_state_len
-from longkv.kvm.state import KVMState, window_start
+from longkv.kvm.state import KVMState, ReadOut, pack_slots, window_start
 
 LN_EPS = 1e-5
 
@@ -65,7 +65,10 @@ def founder_r(v: Tensor, config: KVMConfig) -> Tensor:
 def read_state(
     state: KVMState, weight: Tensor | None, bias: Tensor | None
 ) -> tuple[Tensor, Tensor]:
-    """Just-in-time read-out: keys LN_s(s_k) (B, Hkv, S, Dk) and values (B, Hkv, S, Dv)."""
+    """Just-in-time read-out: keys LN_s(s_k) (B, Hkv, S, Dk) and values (B, Hkv, S, Dv); the
+    state's kept read-out when its slots and the LN_s parameters are unchanged."""
+    if state.read is not None and state.read.matches(weight, bias):
+        return state.read.keys, state.read.values
     keys = state_norm(state.slot_k, weight, bias)
     if state.config.use_vlens:  # normalize(s_v) * r
         norm = torch.linalg.vector_norm(state.slot_v, dim=-1).clamp_min(1e-12)
@@ -73,14 +76,9 @@ def read_state(
     return keys, state.slot_v / state.slot_r.unsqueeze(-1)
 
 
-def _append(state: KVMState, k: Tensor, v: Tensor, r: Tensor) -> KVMState:
+def _append(state: KVMState, k: Tensor, v: Tensor, r: Tensor, donate: bool) -> KVMState:
     """The state with new slots k (B, Hkv, n, Dk), v (B, Hkv, n, Dv), r (B, Hkv, n) at the end."""
-    return replace(
-        state,
-        slot_k=torch.cat([state.slot_k, k], dim=2),
-        slot_v=torch.cat([state.slot_v, v], dim=2),
-        slot_r=torch.cat([state.slot_r, r], dim=2),
-    )
+    return replace(state, slots=state.slots.append(pack_slots(k, v, r), donate), read=None)
 
 
 def update_state(
@@ -92,12 +90,14 @@ def update_state(
     weight: Tensor | None,
     bias: Tensor | None,
     read_k: Tensor | None = None,
+    donate: bool = False,
 ) -> KVMState:
     """Fold the C tokens [cov, cov + C) that leave the window into the slots (spec section 5).
 
-    k: (B, Hkv, C, Dk) post-RoPE keys, v: (B, Hkv, C, Dv), g: (B, Hkv, C, 1) merge gates;
-    read_k: LN_s(slot_k) (B, Hkv, S, Dk) if already computed. The returned state has the same
-    window; only the slots change.
+    k: (B, Hkv, C, Dk) post-RoPE keys, v: (B, Hkv, C, Dv), g: (B, Hkv, C, 1) merge gates (> 0);
+    read_k: LN_s(slot_k) (B, Hkv, S, Dk) if already computed; donate: the merges may add into
+    the given state's slots in place (`kvm_attention`). The returned state has the same window;
+    only the slots change.
     """
     config = state.config
     C, Dk, Dv = config.chunk_len, k.shape[-1], v.shape[-1]
@@ -108,49 +108,41 @@ def update_state(
     target = desired_state_len(config, config.window_len + cov, cov + C, S0)
     n_append = min(max(target - S0, 0), C)
     if n_append == C:
-        return _append(state, ka, va, founder_r(va, config))
+        return _append(state, ka, va, founder_r(va, config), donate)
     if read_k is None:
         read_k = state_norm(state.slot_k, weight, bias)  # (B, Hkv, S0, Dk)
+    with torch.no_grad():  # each token's similarity to each slot (the gate > 0 ranks nothing)
+        sims = ku @ read_k.transpose(-1, -2)  # (B, Hkv, C, S0)
     merged = None  # (B, Hkv, C, 1): 1 for tokens that merge, 0 for appended ones; None = all 1
     if n_append > 0:
         with torch.no_grad():
-            novelty = (ku @ read_k.transpose(-1, -2)).amax(dim=-1)  # (B, Hkv, C)
-            least = torch.argsort(novelty, dim=-1, stable=True)[..., :n_append]
+            least = torch.argsort(sims.amax(dim=-1), dim=-1, stable=True)[..., :n_append]
             picked = least.sort(dim=-1).values  # (B, Hkv, n_append), in time order
         new_k = ka.gather(2, picked.unsqueeze(-1).expand(-1, -1, -1, Dk))
         new_v = va.gather(2, picked.unsqueeze(-1).expand(-1, -1, -1, Dv))
-        state = _append(state, new_k, new_v, founder_r(new_v, config))
-        read_k = torch.cat([read_k, state_norm(new_k, weight, bias)], dim=2)
+        state = _append(state, new_k, new_v, founder_r(new_v, config), donate)
+        with torch.no_grad():  # and to the new slots
+            new_sims = ku @ state_norm(new_k, weight, bias).transpose(-1, -2)
+            sims = torch.cat([sims, new_sims], dim=-1)
         merged = torch.ones_like(g).scatter(2, picked.unsqueeze(-1), 0.0)
         kg, vg = kg * merged, vg * merged
 
     with torch.no_grad():  # merge targets: the most similar non-sink slot, first on ties
         sinks = config.sink_len
-        logits = kg @ read_k[:, :, sinks:].transpose(-1, -2)  # (B, Hkv, C, S - sinks)
-        dest = logits.max(dim=-1).indices + sinks  # (B, Hkv, C)
-    idx = dest.unsqueeze(-1)
-    slot_r = state.slot_r
-    if not config.use_vlens:
+        dest = sims[..., sinks:].max(dim=-1).indices + sinks  # (B, Hkv, C)
+    if config.use_vlens:
+        counts = g.new_zeros(dest.shape)  # r is the founder's norm: merges leave it
+    else:
         counts = g.new_ones(dest.shape) if merged is None else merged.squeeze(-1)
-        slot_r = slot_r.scatter_add(2, dest, counts)
-    return replace(
-        state,
-        slot_k=state.slot_k.scatter_add(2, idx.expand(-1, -1, -1, Dk), kg),
-        slot_v=state.slot_v.scatter_add(2, idx.expand(-1, -1, -1, Dv), vg),
-        slot_r=slot_r,
-    )
+    adds = torch.cat([kg, vg, counts.unsqueeze(-1)], dim=-1)  # (B, Hkv, C, Dk + Dv + 1)
+    return replace(state, slots=state.slots.add_at(dest, adds, donate), read=None)
 
 
 def empty_state(config: KVMConfig, k: Tensor, v: Tensor) -> KVMState:
     """A state with no tokens, shaped for keys k (B, Hkv, T, Dk) and values v (B, Hkv, T, Dv)."""
     B, Hkv = k.shape[:2]
-    return KVMState(
-        config=config,
-        slot_k=k.new_zeros(B, Hkv, 0, k.shape[-1]),
-        slot_v=v.new_zeros(B, Hkv, 0, v.shape[-1]),
-        slot_r=v.new_zeros(B, Hkv, 0),
-        window=WindowCache.empty(k, v, with_gate=True),
-    )
+    slots = k.new_zeros(B, Hkv, 0, k.shape[-1] + v.shape[-1] + 1)
+    return KVMState(config, Rows.of(slots), WindowCache.empty(k, v, with_gate=True))
 
 
 def check_state(state: object, config: KVMConfig, dims: Dims, like: Tensor) -> KVMState:
@@ -181,6 +173,7 @@ def kvm_attention(
     window_temp: Tensor | None = None,
     state_temp: Tensor | None = None,
     scale: float | None = None,
+    donate: bool = False,
 ) -> tuple[Tensor, KVMState]:
     """Key-Value Means attention over T new tokens, continuing `state` (None starts a sequence).
 
@@ -189,6 +182,11 @@ def kvm_attention(
     window_temp, state_temp: (H,) per-head temperatures; scale: logit scale (1/sqrt(Dk)).
     Returns out (B, H, T, Dv) and the state after the T tokens. Any segmentation of a sequence
     into calls gives the outputs and final state of one call over all of it.
+
+    The given state is never changed, unless donate=True: then its buffers are reused in place
+    (merges add into its slots, the window moves within its buffer) and it must not be read
+    again; a decode loop that passes each returned state back with donate=True allocates no
+    state memory per token once the buffers have grown.
     """
     dims = check_qkv(q, k, v)
     config.check_head_dim(dims.Dk)
@@ -205,49 +203,45 @@ def kvm_attention(
 
     C, N = config.chunk_len, config.window_chunks
     n0 = state.seen
-    win = state.window.extend(k, v, gate)  # tokens [base, n1)
+    given = state.slots.store  # written in place only when donated, or once this call copied it
+    win = state.window.extend(k, v, gate, own=donate)  # tokens [base, n1)
     n1, base = win.seen, win.start
     if n0 < C:  # the first chunk is copied into the state as it arrives
         first = slice(n0 - base, min(n1, C) - base)
         k0, v0 = prep_keys(win.k[:, :, first], config, norm_weight, norm_bias), win.v[:, :, first]
-        state = _append(state, k0, v0, founder_r(v0, config))
+        state = _append(state, k0, v0, founder_r(v0, config), donate)
     cov = max(min(n1, C), window_start(config, n0))
 
     qg, scale = group_heads(q, dims.Hkv), logit_scale(dims, scale)  # (B, Hkv, G, T, Dk)
     group = (1, dims.Hkv, dims.groups, 1, 1)
-    tau_w = None if window_temp is None else window_temp.view(group)
-    tau_s = None if state_temp is None else state_temp.view(group)
+    # the softmax scale and each head's temperature go into the queries, once per call
+    qw = qg * (scale if window_temp is None else scale * window_temp.view(group))
+    qs = qg * (scale if state_temp is None else scale * state_temp.view(group))
     out = q.new_empty(dims.B, dims.Hkv, dims.groups, dims.T, dims.Dv)
-    state_k = None  # LN_s(slot_k) of the slots as they stand, once computed
+    read = None  # the slots' read-out (keys, values) as they stand, once computed
     future = hidden_future(min(C, dims.T), q.device)
     for c in range(n0 // C, (n1 - 1) // C + 1):
         a, b = max(n0, c * C), min(n1, (c + 1) * C)  # this call's queries in chunk c
         lo = max(0, (c - N + 1) * C)  # first window token of chunk c
         window = slice(lo - base, b - base)
-        keys, values = win.k[:, :, window], win.v[:, :, window]
-        S = 0
+        rows = slice(a - n0, b - n0)
+        sets = []
         if c >= N:
             if cov < lo:  # the chunk [cov, cov + C) left the window at this chunk's start
                 blk = slice(cov - base, cov - base + C)
                 k_b, v_b, g_b = win.k[:, :, blk], win.v[:, :, blk], win.g[:, :, blk]
-                state = update_state(state, k_b, v_b, g_b, cov, norm_weight, norm_bias, state_k)
-                cov = lo
-            state_k, state_v = read_state(state, norm_weight, norm_bias)
-            S = state.num_slots
-            keys, values = torch.cat([state_k, keys], dim=2), torch.cat([state_v, values], dim=2)
-        logits = attention_logits(qg[:, :, :, a - n0 : b - n0], keys, scale)  # (.., Lq, S + Lw)
-        if tau_w is not None or (tau_s is not None and S):
-            logits = logits * _key_temperature(tau_s, tau_w, S, b - lo, q)
-        out[:, :, :, a - n0 : b - n0] = attend(logits, values, future[: b - a, : b - a])
-    state = replace(state, window=win.keep_from(window_start(config, n1)))
+                read_k = None if read is None else read[0]
+                own = donate or state.slots.store is not given
+                state = update_state(
+                    state, k_b, v_b, g_b, cov, norm_weight, norm_bias, read_k, donate=own
+                )
+                cov, read = lo, None
+            if read is None:
+                read = read_state(state, norm_weight, norm_bias)
+            sets.append(KeySet(qs[:, :, :, rows], *read))
+        hide = future[: b - a, : b - a] if b - a > 1 else None  # causal among the chunk's own
+        sets.append(KeySet(qw[:, :, :, rows], win.k[:, :, window], win.v[:, :, window], hide))
+        out[:, :, :, rows] = attend_key_sets(sets)
+    kept = None if read is None else ReadOut(*read, ReadOut.norm_of(norm_weight, norm_bias))
+    state = replace(state, window=win.keep_from(window_start(config, n1)), read=kept)
     return ungroup_heads(out), state
-
-
-def _key_temperature(
-    tau_s: Tensor | None, tau_w: Tensor | None, S: int, Lw: int, like: Tensor
-) -> Tensor:
-    """Per-key logit multiplier (1, Hkv, G, 1, S + Lw): tau_s on state keys, tau_w on window."""
-    ones = like.new_ones(1, 1, 1, 1, 1)
-    s = (ones if tau_s is None else tau_s).expand(-1, -1, -1, -1, S)
-    w = (ones if tau_w is None else tau_w).expand(-1, -1, -1, -1, Lw)
-    return torch.cat([s, w], dim=-1)

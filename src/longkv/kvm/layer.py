@@ -76,8 +76,9 @@ class KVMAttention(AttentionLayer):
         return (1 + F.elu(self.gate_proj(x))).transpose(1, 2).unsqueeze(-1)
 
     def mix(
-        self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, state: KVMState | None
-    ) -> tuple[Tensor, KVMState]:
+        self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, state: KVMState | None,
+        donate: bool = False,
+    ) -> tuple[Tensor, KVMState]:  # fmt: skip
         return kvm_attention(
             q,
             k,
@@ -89,4 +90,5 @@ class KVMAttention(AttentionLayer):
             norm_bias=self.state_norm.bias,
             window_temp=self.window_temp,
             state_temp=self.state_temp,
+            donate=donate,
         )

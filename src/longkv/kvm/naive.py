@@ -144,11 +144,11 @@ def kvm_attention_naive(
         outs.append(torch.stack(heads, dim=1))  # (B, H, Dv)
 
     start = max(0, -(-T // C) * C - W)
-    state = KVMState(
+    state = KVMState.of(
         config=config,
         slot_k=torch.stack(sk, dim=2),
         slot_v=torch.stack(sv, dim=2),
         slot_r=torch.stack(sr, dim=2),
-        window=WindowCache(k=k[:, :, start:], v=v[:, :, start:], seen=T, g=g[:, :, start:]),
+        window=WindowCache.of(k[:, :, start:], v[:, :, start:], T, g[:, :, start:]),
     )
     return torch.stack(outs, dim=2), state

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
-from longkv.attention.state import WindowCache
+from longkv.attention.state import Rows, WindowCache
 from longkv.kvm.config import KVMConfig
 
 
@@ -27,19 +27,71 @@ def covered(config: KVMConfig, seen: int) -> int:
 
 
 @dataclass(frozen=True)
+class ReadOut:
+    """The slots' just-in-time read-out, kept while the slots and the LN_s parameters it was
+    read with stay the same: keys LN_s(s_k) (B, Hkv, S, Dk), values (B, Hkv, S, Dv)."""
+
+    keys: Tensor
+    values: Tensor
+    norm: tuple[object, ...]
+
+    @staticmethod
+    def norm_of(weight: Tensor | None, bias: Tensor | None) -> tuple[object, ...]:
+        """What identifies LN_s parameters: the tensors and their in-place versions."""
+        return tuple(x for t in (weight, bias) for x in (t, None if t is None else t._version))
+
+    def matches(self, weight: Tensor | None, bias: Tensor | None) -> bool:
+        pairs = zip(self.norm, ReadOut.norm_of(weight, bias), strict=True)
+        return all(a is b if isinstance(a, Tensor) else a == b for a, b in pairs)
+
+
+@dataclass(frozen=True)
 class KVMState:
     """State carried between calls of `kvm_attention`.
 
-    slot_k: (B, Hkv, S, Dk) accumulated prepared keys; slot_v: (B, Hkv, S, Dv) accumulated
-    values; slot_r: (B, Hkv, S) founder value norm (vlens mode) or token count (count mode);
-    window: the raw keys, values and gates of tokens [window_start(seen), seen).
+    slots: (B, Hkv, S, Dk + Dv + 1) rows [s_k | s_v | r]: accumulated prepared keys, accumulated
+    values, and the founder value norm (vlens mode) or token count (count mode), in one buffer
+    (`Rows`) so that a merge is one indexed add and appending writes in place; window: the raw
+    keys, values and gates of tokens [window_start(seen), seen); read: the slots' read-out, if
+    computed since they last changed.
     """
 
     config: KVMConfig
-    slot_k: Tensor
-    slot_v: Tensor
-    slot_r: Tensor
+    slots: Rows
     window: WindowCache
+    read: ReadOut | None = None
+
+    @classmethod
+    def of(
+        cls,
+        config: KVMConfig,
+        slot_k: Tensor,
+        slot_v: Tensor,
+        slot_r: Tensor,
+        window: WindowCache,
+    ) -> KVMState:
+        """A state from its slots: slot_k (B, Hkv, S, Dk), slot_v (B, Hkv, S, Dv), slot_r (B,
+        Hkv, S)."""
+        return cls(config, Rows.of(pack_slots(slot_k, slot_v, slot_r)), window)
+
+    @property
+    def _key_dim(self) -> int:
+        return self.window.k.shape[-1]
+
+    @property
+    def slot_k(self) -> Tensor:
+        """(B, Hkv, S, Dk) accumulated prepared keys."""
+        return self.slots.tensor[..., : self._key_dim]
+
+    @property
+    def slot_v(self) -> Tensor:
+        """(B, Hkv, S, Dv) accumulated values."""
+        return self.slots.tensor[..., self._key_dim : -1]
+
+    @property
+    def slot_r(self) -> Tensor:
+        """(B, Hkv, S) founder value norm (vlens mode) or token count (count mode)."""
+        return self.slots.tensor[..., -1]
 
     @property
     def seen(self) -> int:
@@ -49,37 +101,46 @@ class KVMState:
     @property
     def num_slots(self) -> int:
         """S, the same for every batch row and head."""
-        return self.slot_k.shape[2]
+        return len(self.slots)
 
     @property
     def batch_size(self) -> int:
         """B, the batch rows."""
-        return self.slot_k.shape[0]
+        return self.slots.tensor.shape[0]
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the state's tensors."""
-        slots = sum(t.numel() * t.element_size() for t in (self.slot_k, self.slot_v, self.slot_r))
-        return slots + self.window.nbytes
+        """Bytes of the slots and window tokens held (`storage_bytes`: with the buffers'
+        room to grow)."""
+        slots = self.slots.tensor
+        return slots.numel() * slots.element_size() + self.window.nbytes
+
+    @property
+    def storage_bytes(self) -> int:
+        """Bytes of the buffers holding the state, their room to grow included."""
+        return self.slots.storage_bytes + self.window.storage_bytes
 
     def to(
         self, device: torch.device | str | None = None, dtype: torch.dtype | None = None
     ) -> KVMState:
         """A copy on another device and/or floating dtype."""
-        moved = {
-            f.name: getattr(self, f.name).to(device=device, dtype=dtype)
-            for f in fields(self)
-            if f.name.startswith("slot_")
-        }
-        return replace(self, window=self.window.to(device=device, dtype=dtype), **moved)
+        return replace(
+            self,
+            slots=self.slots.to(device, dtype),
+            window=self.window.to(device=device, dtype=dtype),
+            read=None,
+        )
 
     def select_rows(self, rows: Tensor) -> KVMState:
         """The state of batch rows `rows` (R,), in that order (beam reorder, repeat, select)."""
-        rows = rows.to(self.slot_k.device)
         return replace(
             self,
-            slot_k=self.slot_k.index_select(0, rows),
-            slot_v=self.slot_v.index_select(0, rows),
-            slot_r=self.slot_r.index_select(0, rows),
+            slots=self.slots.select_rows(rows),
             window=self.window.select_rows(rows),
+            read=None,
         )
+
+
+def pack_slots(slot_k: Tensor, slot_v: Tensor, slot_r: Tensor) -> Tensor:
+    """The rows [s_k | s_v | r] (B, Hkv, S, Dk + Dv + 1) of slots k, v (B, Hkv, S, D) and r."""
+    return torch.cat([slot_k, slot_v, slot_r.unsqueeze(-1)], dim=-1)

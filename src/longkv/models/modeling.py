@@ -161,18 +161,22 @@ class Block(nn.Module):
         state: Any = None,
         last: Tensor | None = None,
         v_first: Tensor | None = None,
+        donate: bool = False,
     ) -> tuple[Tensor, Any, Tensor | None, Tensor]:
         """x (B, T, d_model) -> (x, mixer state, last normalised input (B, d_model) or None, v).
 
         last: the previous call's normalised last token (token shift; None = start of text);
-        v_first: the first layer's values (value residual); v: this layer's own values.
+        v_first: the first layer's values (value residual); v: this layer's own values;
+        donate: the given state may be changed in place (the caller keeps the returned one).
         """
         h = self.norm1(x)
         h_prev = None
         if self.token_shift:
             before = h.new_zeros(h.shape[0], 1, h.shape[2]) if last is None else last[:, None]
             h_prev = torch.cat([before, h[:, :-1]], dim=1)
-        mixed, state, v = self.mixer.forward_with_values(h, state, x_prev=h_prev, v_first=v_first)
+        mixed, state, v = self.mixer.forward_with_values(
+            h, state, x_prev=h_prev, v_first=v_first, donate=donate
+        )
         x = x + mixed
         last = h[:, -1] if self.token_shift else None
         return x + self.mlp(self.norm2(x)), state, last, v
@@ -261,7 +265,10 @@ class LongKVModel(LongKVPreTrainedModel):
         check_positions(position_ids, cache.seen, x.shape[1])
         v_first: Tensor | None = None
         for block, layer in zip(self.layers, cache.layers, strict=True):
-            x, layer.mixer, layer.last_input, v = block(x, layer.mixer, layer.last_input, v_first)
+            # the cache keeps only the new state: the old one's buffers are reused in place
+            x, layer.mixer, layer.last_input, v = block(
+                x, layer.mixer, layer.last_input, v_first, donate=True
+            )
             v_first = v if v_first is None else v_first
         cache.seen += x.shape[1]
         return BaseModelOutputWithPast(

@@ -117,12 +117,14 @@ class RWKV7(nn.Module):
         *,
         x_prev: Tensor | None = None,
         v_first: Tensor | None = None,
+        donate: bool = False,
     ) -> tuple[Tensor, RWKV7State, Tensor]:
         """-> (y (B, T, d_model), state, v (B, H, T, head_dim): own values, before the residual).
 
         x_prev (B, T, d_model): the input one token earlier (None: x shifted by one with zeros
         before, only when state is None); v_first (B, H, T, head_dim): the first layer's values
-        (value_residual layers).
+        (value_residual layers); donate: accepted like the attention layers' (the state is a
+        fixed-size matrix, made anew by every call).
         """
         c = self.config
         if x.dim() != 3 or x.shape[-1] != c.d_model:
