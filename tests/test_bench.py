@@ -96,3 +96,35 @@ def test_compared_peaks_exclude_weights_mapped_lazily(tmp_path: Path) -> None:
     report = compare_methods(model, ids, 3, methods=("full", "fold"))
     peaks = {r["method"]: r["peak_memory_bytes"] for r in report["runs"]}
     assert peaks["full"] < 20e6 and peaks["fold"] < 20e6, peaks
+
+
+def test_flop_counts_follow_the_states_a_run_goes_through() -> None:
+    """kvm_work's pairs and similarities, counted again from the slots a token-by-token run
+    holds: each query sees the slots (from chunk N on) and its window; each update that
+    merges compares the block with the slots before it and the ones it founds."""
+    from conftest import make_inputs
+    from longkv.bench.flops import Shape, kvm_work, window_work
+    from longkv.kvm import KVMConfig, kvm_attention
+
+    C, N, T, n_dec = 4, 2, 37, 5
+    config = KVMConfig(
+        chunk_len=C, window_chunks=N, budget="power_law", state_min_len=4, growth_factor=3.0,
+        max_state_chunks=None,
+    )  # fmt: skip
+    inp = make_inputs(T=T + n_dec, Dk=8, Dv=8)
+    pairs, sims, state, slots_before = [0.0, 0.0], [0.0, 0.0], None, 0
+    for p in range(T + n_dec):
+        q, k, v, extras = inp.span(p, p + 1)
+        _, state = kvm_attention(q, k, v, config, state=state, **extras)
+        c, lo = p // C, max(0, (p // C - N + 1) * C)
+        if p % C == 0 and c > N:  # the block c - N left the window at this token
+            founded = state.num_slots - slots_before
+            sims[p >= T] += C * state.num_slots if founded < C else 0
+        slots_before = state.num_slots
+        pairs[p >= T] += (state.num_slots if c >= N else 0) + p - lo + 1
+    shape = Shape(B=2, H=4, Hkv=2, D=8)
+    work = kvm_work(config, T, n_dec, shape)
+    assert work.prefill_flops == shape.attention(pairs[0]) + shape.similarity(sims[0])
+    assert work.decode_flops == (shape.attention(pairs[1]) + shape.similarity(sims[1])) / n_dec
+    full = window_work(lambda p: 0, T, n_dec, shape)
+    assert full.prefill_flops == shape.attention(T * (T + 1) / 2)

@@ -18,10 +18,9 @@ def key_sets(G: int, Lq: int, Dk: int, Dv: int, seed: int = 0) -> list[KeySet]:
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g, dtype=torch.float64)
 
-    hide = torch.ones(Lq, Lq, dtype=torch.bool).triu(1)
     return [
         KeySet(randn(2, 3, G, Lq, Dk), randn(2, 3, 7, Dk), randn(2, 3, 7, Dv)),
-        KeySet(randn(2, 3, G, Lq, Dk), randn(2, 3, 5 + Lq, Dk), randn(2, 3, 5 + Lq, Dv), hide),
+        KeySet(randn(2, 3, G, Lq, Dk), randn(2, 3, 5 + Lq, Dk), randn(2, 3, 5 + Lq, Dv), True),
     ]
 
 
@@ -30,10 +29,10 @@ def test_fused_key_sets_equal_one_concatenated_softmax(G: int, Lq: int, Dk: int,
     sets = key_sets(G, Lq, Dk, Dv)
     with torch.no_grad():
         fused = attend_key_sets(sets)
-    # the same logits written out: one softmax over both sets, the hidden keys at -inf
-    q = [s.q for s in sets]
-    logits = [q[i] @ s.k.unsqueeze(2).transpose(-1, -2) for i, s in enumerate(sets)]
-    logits[1][..., -Lq:] = logits[1][..., -Lq:].masked_fill(sets[1].hide, float("-inf"))
+    # the same logits written out: one softmax over both sets, the future keys at -inf
+    logits = [s.q @ s.k.unsqueeze(2).transpose(-1, -2) for s in sets]
+    future = torch.ones(Lq, Lq, dtype=torch.bool).triu(1)
+    logits[1][..., -Lq:] = logits[1][..., -Lq:].masked_fill(future, float("-inf"))
     probs = torch.softmax(torch.cat(logits, dim=-1), dim=-1)
     values = torch.cat([s.v for s in sets], dim=2).unsqueeze(2)
     assert_close(fused, probs @ values)

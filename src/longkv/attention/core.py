@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -120,13 +122,13 @@ def attention_logits(q: Tensor, k: Tensor, scale: float) -> Tensor:
 class KeySet:
     """One set of keys for `attend_key_sets`: grouped queries q (B, Hkv, G, Lq, Dk), with the
     softmax scale (and any temperature) already multiplied in, against keys k (B, Hkv, Lk, Dk)
-    and values v (B, Hkv, Lk, Dv); hide: (Lq, Lm) bool, True = not visible, for the last Lm
-    keys (the others are visible to every query), or None."""
+    and values v (B, Hkv, Lk, Dv); causal: the last Lq keys are the queries' own tokens, each
+    query seeing those up to itself (every other key is visible to every query)."""
 
     q: Tensor
     k: Tensor
     v: Tensor
-    hide: Tensor | None = None
+    causal: bool = False
 
 
 # the fused CPU kernel behind scaled_dot_product_attention, which also returns the log-sum-exp
@@ -148,18 +150,18 @@ def attend_key_sets(sets: list[KeySet]) -> Tensor:
     Dv = sets[0].v.shape[-1]
     D = max(Dk, Dv)  # the kernel takes one head size: zero channels change no logit or value
     out, lse = None, None
-    for s in sets:
+    for i, s in enumerate(sets):
         q = _widen(s.q.reshape(B, Hkv, G * Lq, Dk), D)  # the G heads of a group share the keys
-        mask = None if s.hide is None else _additive_mask(s.hide, s.k.shape[2], G, q)
+        mask = _causal_tail(Lq, s.k.shape[2], G, q.dtype, q.device) if s.causal else None
         o, m = _FLASH_CPU(q, _widen(s.k, D), _widen(s.v, D), attn_mask=mask, scale=1.0)[:2]
         if out is None or lse is None:
             out, lse = o, m
         else:  # softmax over both sets: each part weighted by its share of exp(lse)
-            w = torch.sigmoid(m - lse).unsqueeze(-1).to(o.dtype)
-            out = out + w * (o - out)
-            lse = torch.logaddexp(lse, m)
+            share = torch.sigmoid(m - lse).unsqueeze(-1)  # lse is float32 for 16-bit inputs
+            out = torch.lerp(out, o, share if share.dtype == o.dtype else share.to(o.dtype))
+            lse = torch.logaddexp(lse, m) if i + 1 < len(sets) else lse
     assert out is not None
-    return out[..., :Dv].reshape(B, Hkv, G, Lq, Dv)
+    return (out if D == Dv else out[..., :Dv]).reshape(B, Hkv, G, Lq, Dv)
 
 
 def _widen(t: Tensor, D: int) -> Tensor:
@@ -175,12 +177,15 @@ def _fused(sets: list[KeySet]) -> bool:
     return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
-def _additive_mask(hide: Tensor, Lk: int, G: int, like: Tensor) -> Tensor:
-    """(G * Lq, Lk) in like's dtype: -inf where hide (Lq, Lm) hides one of the last Lm keys."""
-    Lq, Lm = hide.shape
-    mask = like.new_zeros(Lq, Lk)
-    mask[:, Lk - Lm :].masked_fill_(hide, float("-inf"))
-    return mask.repeat(G, 1)
+@functools.lru_cache(maxsize=16)
+def _causal_tail(Lq: int, Lk: int, G: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """(G * Lq, Lk): the additive mask of Lq queries that see all Lk keys but the future ones
+    among their own last Lq; kept per shape, made outside inference mode so that it stays
+    usable everywhere."""
+    with torch.inference_mode(False):
+        mask = torch.zeros(G, Lq, Lk, dtype=dtype, device=device)
+        mask[..., Lk - Lq :].masked_fill_(hidden_future(Lq, device), float("-inf"))
+        return mask.view(G * Lq, Lk)
 
 
 def _attend_concatenated(sets: list[KeySet]) -> Tensor:
@@ -188,8 +193,8 @@ def _attend_concatenated(sets: list[KeySet]) -> Tensor:
     logits = []
     for s in sets:
         part = (s.q.reshape(B, Hkv, G * Lq, -1) @ s.k.transpose(-1, -2)).view(B, Hkv, G, Lq, -1)
-        if s.hide is not None:
-            part[..., part.shape[-1] - s.hide.shape[1] :].masked_fill_(s.hide, float("-inf"))
+        if s.causal:
+            part[..., part.shape[-1] - Lq :].masked_fill_(hidden_future(Lq, part.device), -math.inf)
         logits.append(part)
     probs = torch.softmax(torch.cat(logits, dim=-1) if len(logits) > 1 else logits[0], dim=-1)
     probs = probs.view(B, Hkv, G * Lq, -1)

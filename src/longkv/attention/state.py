@@ -55,7 +55,7 @@ class Rows:
     @property
     def tensor(self) -> Tensor:
         """(B, Hkv, hi - lo, width), a view of the store."""
-        return self.store.data[:, :, self.lo : self.hi]
+        return self.store.data.narrow(2, self.lo, self.hi - self.lo)
 
     def __len__(self) -> int:
         return self.hi - self.lo
@@ -78,7 +78,7 @@ class Rows:
             s.end = L
             return Rows(s, 0, L).append(x, own)
         if newest and self.hi + n <= s.capacity:
-            s.data[:, :, self.hi : self.hi + n] = x
+            s.data.narrow(2, self.hi, n).copy_(x)
             s.end = self.hi + n
             return Rows(s, self.lo, self.hi + n)
         data = x.new_empty(*x.shape[:2], 2 * (L + n), x.shape[3])
@@ -229,16 +229,17 @@ class WindowCache:
 
     def check_fits(self, dims: Dims, like: Tensor) -> None:
         """Raise unless this cache can continue a call with these sizes, dtype and device."""
+        k, v = self.rows_k.store.data, self.rows_v.store.data
         want = (dims.B, dims.Hkv, dims.Dk, dims.Dv)
-        got = (self.k.shape[0], self.k.shape[1], self.k.shape[3], self.v.shape[3])
+        got = (k.shape[0], k.shape[1], k.shape[3], v.shape[3])
         if got != want:
             raise ValueError(
                 f"state: holds (B, Hkv, Dk, Dv) = {got} but this call has {want}; pass the "
                 "state returned for the same batch and heads"
             )
-        if self.k.dtype != like.dtype or self.k.device != like.device:
+        if k.dtype != like.dtype or k.device != like.device:
             raise ValueError(
-                f"state: dtype/device {self.k.dtype}/{self.k.device} differs from the inputs' "
+                f"state: dtype/device {k.dtype}/{k.device} differs from the inputs' "
                 f"{like.dtype}/{like.device}; move it with state.to(device, dtype)"
             )
 

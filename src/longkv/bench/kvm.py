@@ -3,7 +3,11 @@
 Every method runs on the same random q, k, v in one process, so the printed ratios compare
 numbers measured side by side. Times are medians over repeats after warm-up calls; decode
 time is the mean over `decode_tokens` single-token calls after a prefill of T tokens (one
-chunk's worth by default, so KVM's once-per-chunk state update is included at its real rate).
+chunk's worth by default, so KVM's once-per-chunk state update is included at its real rate),
+each passing the state back with donate=True as a decode loop does, its median over one decode
+from the state of each timed prefill. Beside each time stands its
+floor (`longkv.bench.flops`): the matmul FLOPs the method needs over the rate of the same
+machine on matmuls of the same shapes, measured in the same run.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from longkv.attention import block_sliding_window_attention, full_attention
+from longkv.bench.flops import Shape, Work, gemm_rate, kvm_work, window_work
 from longkv.bench.memory import keep_freed_heap, peak_memory
 from longkv.checks import require, require_at_least, setting
 from longkv.kvm import KVMConfig, kvm_attention
@@ -27,7 +32,7 @@ from longkv.results import OUT_DIR, provenance, pyplot, save_figure, write_repor
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 METHODS = ("kvm_fixed", "kvm_sqrt", "kvm_saturation", "bswa", "full")
-Step = Callable[[Tensor, Tensor, Tensor, Any], tuple[Tensor, Any]]
+Step = Callable[[Tensor, Tensor, Tensor, Any, bool], tuple[Tensor, Any]]
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,9 @@ class BenchSettings:
         None, "single-token decode calls timed (default: as many as the chunk length)"
     )
     methods: tuple[str, ...] = setting(METHODS, "methods measured", choices=METHODS)
+    threads: int | None = setting(
+        None, "torch threads (torch.set_num_threads); default: as torch starts"
+    )
     seed: int = setting(0, "seed of the random q, k, v")
     keep_heap: bool = setting(
         True,
@@ -71,6 +79,11 @@ class BenchSettings:
             f"must be one of {sorted(DTYPES)}, got {self.dtype!r}",
         )
         require_at_least(1, "BenchSettings", self, "lengths", "repeats", "batch", "heads")
+        require(
+            self.threads is None or self.threads >= 1,
+            "BenchSettings.threads",
+            f"must be >= 1 (or unset), got {self.threads}",
+        )
         require_at_least(4, "BenchSettings", self, "head_dim")
 
     @property
@@ -79,22 +92,39 @@ class BenchSettings:
         return self.chunk_len if self.decode_tokens is None else self.decode_tokens
 
 
+def kvm_configs(s: BenchSettings) -> dict[str, KVMConfig]:
+    """The KVM methods' configs: the paper's budgets with this run's blocks."""
+    blocks = dict(chunk_len=s.chunk_len, window_chunks=s.window_chunks, rope_dim=s.head_dim // 2)
+    return {
+        "kvm_fixed": KVMConfig.paper_fixed(**blocks),
+        "kvm_sqrt": KVMConfig.paper_sqrt(**blocks),
+        "kvm_saturation": KVMConfig.paper_saturation(**blocks),
+    }
+
+
 def kvm_step(config: KVMConfig) -> Step:
-    return lambda q, k, v, state: kvm_attention(q, k, v, config, state=state)
+    return lambda q, k, v, state, donate: kvm_attention(q, k, v, config, state=state, donate=donate)
 
 
 def method_steps(s: BenchSettings) -> dict[str, Step]:
-    """One call of each method: (q, k, v, state) -> (out, state)."""
-    blocks = dict(chunk_len=s.chunk_len, window_chunks=s.window_chunks, rope_dim=s.head_dim // 2)
+    """One call of each method: (q, k, v, state, donate) -> (out, state)."""
     return {
-        "kvm_fixed": kvm_step(KVMConfig.paper_fixed(**blocks)),
-        "kvm_sqrt": kvm_step(KVMConfig.paper_sqrt(**blocks)),
-        "kvm_saturation": kvm_step(KVMConfig.paper_saturation(**blocks)),
-        "bswa": lambda q, k, v, state: block_sliding_window_attention(
-            q, k, v, s.chunk_len, s.window_chunks, state=state
+        **{name: kvm_step(config) for name, config in kvm_configs(s).items()},
+        "bswa": lambda q, k, v, state, donate: block_sliding_window_attention(
+            q, k, v, s.chunk_len, s.window_chunks, state=state, donate=donate
         ),
-        "full": lambda q, k, v, state: full_attention(q, k, v, state=state),
+        "full": lambda q, k, v, state, donate: full_attention(q, k, v, state=state, donate=donate),
     }
+
+
+def method_work(s: BenchSettings, method: str, T: int) -> Work:
+    """The matmul work of a method's prefill of T tokens and its decode steps."""
+    shape = Shape(B=s.batch, H=s.heads, Hkv=s.heads, D=s.head_dim)
+    if method in kvm_configs(s):
+        return kvm_work(kvm_configs(s)[method], T, s.n_decode, shape)
+    C, N = s.chunk_len, s.window_chunks
+    lo = (lambda p: (p // C - N + 1) * C) if method == "bswa" else (lambda p: 0)
+    return window_work(lo, T, s.n_decode, shape)
 
 
 @dataclass
@@ -107,6 +137,19 @@ class Measurement:
     prefill_peak_bytes: int | None
     decode_s_per_token: float
     state_bytes: int
+    prefill_flops: float  # matmul FLOPs the prefill needs (`longkv.bench.flops`)
+    prefill_rate: float  # FLOP/s of this machine's matmuls of the prefill's shapes
+    decode_flops: float  # per token
+    decode_rate: float
+
+    @property
+    def prefill_floor_s(self) -> float:
+        """The prefill's FLOPs at the measured matmul rate."""
+        return self.prefill_flops / self.prefill_rate
+
+    @property
+    def decode_floor_s(self) -> float:
+        return self.decode_flops / self.decode_rate
 
 
 @dataclass
@@ -140,41 +183,59 @@ def measure(step: Step, method: str, T: int, s: BenchSettings) -> Measurement:
     n = T + s.n_decode
     shape = (s.batch, s.heads, n, s.head_dim)
     q, k, v = (torch.randn(shape, generator=g, device=device, dtype=dtype) for _ in range(3))
-    prefill = (q[:, :, :T], k[:, :, :T], v[:, :, :T])
+    prefill = (q[:, :, :T], k[:, :, :T], v[:, :, :T], None, False)
     with torch.no_grad():
-        (_, state), peak = peak_memory(lambda: step(*prefill, None), device)
-        step(*prefill, None)  # warm-up with the heap as the timed calls find it
-        times = [_timed(lambda: step(*prefill, None), device)[1] for _ in range(s.repeats)]
+        (_, state), peak = peak_memory(lambda: step(*prefill), device)
+        step(*prefill)  # warm-up with the heap as the timed calls find it
+        timed = [_timed(lambda: step(*prefill), device) for _ in range(s.repeats)]
 
-        def decode() -> Any:
-            st = state
+        def decode(st: Any) -> Any:
             for t in range(T, n):
-                _, st = step(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], st)
+                one = (q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1])
+                _, st = step(*one, st, True)
             return st
 
-        final, decode_s = _timed(decode, device)
+        decode(state)  # warm-up; then one decode from each timed prefill's state
+        decoded = [_timed(lambda st=st: decode(st), device) for (_, st), _ in timed]
+        final = decoded[-1][0]
+    work = method_work(s, method, T)
+    shape = Shape(B=s.batch, H=s.heads, Hkv=s.heads, D=s.head_dim)
     return Measurement(
         method=method,
         T=T,
-        prefill_s=statistics.median(times),
+        prefill_s=statistics.median(t for _, t in timed),
         prefill_peak_bytes=peak,
-        decode_s_per_token=decode_s / s.n_decode,
+        decode_s_per_token=statistics.median(t for _, t in decoded) / s.n_decode,
         state_bytes=final.nbytes,
+        prefill_flops=work.prefill_flops,
+        prefill_rate=gemm_rate(shape, s.chunk_len, work.prefill_keys, device, dtype, s.repeats),
+        decode_flops=work.decode_flops,
+        decode_rate=gemm_rate(shape, 1, work.decode_keys, device, dtype, 10 * s.repeats),
     )
 
 
+# time / floor targets of the KVM prefills (issue 11), from this length on
+FLOOR_TARGETS = {"kvm_fixed": (8192, 1.3), "kvm_sqrt": (32768, 1.5), "kvm_saturation": (32768, 1.5)}
+
+
 def ratios(r: BenchResult) -> dict[str, dict[str, Any]]:
-    """Ratios of numbers measured in this run, with issue 2's targets where they apply."""
+    """Ratios of numbers measured in this run, with the issues' targets where they apply."""
     s, out = r.settings, {}
-    if "kvm_fixed" not in s.methods:
-        return out
     lengths = sorted(s.lengths)
     lo, hi = lengths[0], lengths[-1]
-    fixed = {T: r.get("kvm_fixed", T) for T in lengths}
 
     def add(name: str, value: float, target: str | None = None) -> None:
         out[name] = {"value": value, "target": target}
 
+    for method in (m for m in s.methods if m in FLOOR_TARGETS):
+        start, limit = FLOOR_TARGETS[method]
+        for T in lengths:
+            m = r.get(method, T)
+            target = f"<= {limit}" if T >= start else None
+            add(f"{method} prefill time / floor at {T}", m.prefill_s / m.prefill_floor_s, target)
+    if "kvm_fixed" not in s.methods:
+        return out
+    fixed = {T: r.get("kvm_fixed", T) for T in lengths}
     if len(lengths) > 1:
         prev = lengths[-2]
         add(
@@ -190,15 +251,19 @@ def ratios(r: BenchResult) -> dict[str, dict[str, Any]]:
     for T in lengths:
         if "full" in s.methods:
             speedup = r.get("full", T).prefill_s / fixed[T].prefill_s
-            add(f"full / kvm_fixed prefill at {T}", speedup, ">= 5" if hi == T else None)
+            add(f"full / kvm_fixed prefill at {T}", speedup, ">= 12" if hi == T else None)
         if "bswa" in s.methods:
-            slowdown = fixed[T].prefill_s / r.get("bswa", T).prefill_s
-            add(f"kvm_fixed / bswa prefill at {T}", slowdown, "<= 2")
+            bswa = r.get("bswa", T)
+            add(f"kvm_fixed / bswa prefill at {T}", fixed[T].prefill_s / bswa.prefill_s, "<= 2")
+            slower = fixed[T].decode_s_per_token / bswa.decode_s_per_token
+            add(f"kvm_fixed / bswa decode per token at {T}", slower, "<= 1.5" if hi == T else None)
     return out
 
 
 def run(s: BenchSettings, argv: list[str] | None = None) -> BenchResult:
     """Measure every method at every length, with a progress bar."""
+    if s.threads is not None:
+        torch.set_num_threads(s.threads)
     steps = method_steps(s)
     result = BenchResult(settings=s, provenance=provenance(argv))
     result.provenance["heap_kept"] = keep_freed_heap() if s.keep_heap else False
@@ -209,20 +274,31 @@ def run(s: BenchSettings, argv: list[str] | None = None) -> BenchResult:
     return result
 
 
+COLUMNS = (
+    "method", "T", "prefill ms", "floor ms", "GFLOP", "peak MiB", "decode ms/token",
+    "decode floor ms", "state MiB",
+)  # fmt: skip
+
+
+def cells(m: Measurement) -> list[str]:
+    """One measurement's row of COLUMNS."""
+    peak = "n/a" if m.prefill_peak_bytes is None else f"{m.prefill_peak_bytes / 2**20:.1f}"
+    return [
+        m.method, str(m.T), f"{m.prefill_s * 1e3:.1f}", f"{m.prefill_floor_s * 1e3:.1f}",
+        f"{m.prefill_flops / 1e9:.2f}", peak, f"{m.decode_s_per_token * 1e3:.3f}",
+        f"{m.decode_floor_s * 1e3:.4f}", f"{m.state_bytes / 2**20:.2f}",
+    ]  # fmt: skip
+
+
 def table(r: BenchResult) -> str:
     """Plain-text table of the measurements and ratios."""
-    header = ("method", "T", "prefill ms", "peak MiB", "decode ms/tok", "state MiB")
-    lines = ["{:<16}{:>8}{:>12}{:>10}{:>15}{:>11}".format(*header)]
-    for m in r.measurements:
-        peak = "n/a" if m.prefill_peak_bytes is None else f"{m.prefill_peak_bytes / 2**20:.1f}"
-        lines.append(
-            f"{m.method:<16}{m.T:>8}{m.prefill_s * 1e3:>12.1f}{peak:>10}"
-            f"{m.decode_s_per_token * 1e3:>15.3f}{m.state_bytes / 2**20:>11.2f}"
-        )
+    rows = [list(COLUMNS)] + [cells(m) for m in r.measurements]
+    widths = [max(len(row[i]) for row in rows) + 2 for i in range(len(COLUMNS))]
+    lines = ["".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
     lines.append("")
     for name, ratio in r.ratios.items():
         target = f"  (target {ratio['target']})" if ratio["target"] else ""
-        lines.append(f"{name:<44}{ratio['value']:>8.2f}{target}")
+        lines.append(f"{name:<48}{ratio['value']:>8.2f}{target}")
     return "\n".join(lines)
 
 
@@ -264,18 +340,17 @@ def markdown_body(r: BenchResult) -> list[str]:
     p, s = r.provenance, r.settings
     lines = [
         f"- settings: B={s.batch} H={s.heads} D={s.head_dim} {s.dtype} on {s.device}, "
-        f"C={s.chunk_len} N={s.window_chunks}, median of {s.repeats} prefills, decode mean of "
-        f"{s.n_decode} tokens, heap kept: {p.get('heap_kept')}",
+        f"C={s.chunk_len} N={s.window_chunks}, median of {s.repeats} prefills; decode: the "
+        f"median over {s.repeats} runs of the mean of {s.n_decode} tokens; heap kept: "
+        f"{p.get('heap_kept')}",
+        "- floor: the matmul FLOPs the method needs (GFLOP: q.k and p.v over the visible "
+        "pairs, and KVM's token-slot similarities) at the rate this machine ran matmuls of "
+        "the same shapes in this run (`longkv.bench.flops`)",
         "",
-        "| method | T | prefill ms | peak MiB | decode ms/token | state MiB |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| " + " | ".join(COLUMNS) + " |",
+        "|---|" + "---:|" * (len(COLUMNS) - 1),
+        *("| " + " | ".join(cells(x)) + " |" for x in r.measurements),
     ]
-    for x in r.measurements:
-        peak = "n/a" if x.prefill_peak_bytes is None else f"{x.prefill_peak_bytes / 2**20:.1f}"
-        lines.append(
-            f"| {x.method} | {x.T} | {x.prefill_s * 1e3:.1f} | {peak} | "
-            f"{x.decode_s_per_token * 1e3:.3f} | {x.state_bytes / 2**20:.2f} |"
-        )
     lines += ["", "| ratio (same run) | value | target |", "|---|---:|---|"]
     for name, ratio in r.ratios.items():
         lines.append(f"| {name} | {ratio['value']:.2f} | {ratio['target'] or ''} |")

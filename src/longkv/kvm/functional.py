@@ -21,7 +21,6 @@ from longkv.attention.core import (
     check_optional,
     check_qkv,
     group_heads,
-    hidden_future,
     logit_scale,
     ungroup_heads,
 )
@@ -111,25 +110,26 @@ def update_state(
         return _append(state, ka, va, founder_r(va, config), donate)
     if read_k is None:
         read_k = state_norm(state.slot_k, weight, bias)  # (B, Hkv, S0, Dk)
-    with torch.no_grad():  # each token's similarity to each slot (the gate > 0 ranks nothing)
+    sinks = config.sink_len
+    with torch.no_grad():  # each token's most similar slot (the gate > 0 ranks nothing)
         sims = ku @ read_k.transpose(-1, -2)  # (B, Hkv, C, S0)
+        best, dest = sims[..., sinks:].max(dim=-1)  # non-sink slots, first on ties
+        dest += sinks  # (B, Hkv, C)
     merged = None  # (B, Hkv, C, 1): 1 for tokens that merge, 0 for appended ones; None = all 1
     if n_append > 0:
-        with torch.no_grad():
-            least = torch.argsort(sims.amax(dim=-1), dim=-1, stable=True)[..., :n_append]
+        with torch.no_grad():  # novelty: the highest similarity to any slot, sinks included
+            novelty = best if sinks == 0 else torch.maximum(best, sims[..., :sinks].amax(-1))
+            least = torch.argsort(novelty, dim=-1, stable=True)[..., :n_append]
             picked = least.sort(dim=-1).values  # (B, Hkv, n_append), in time order
         new_k = ka.gather(2, picked.unsqueeze(-1).expand(-1, -1, -1, Dk))
         new_v = va.gather(2, picked.unsqueeze(-1).expand(-1, -1, -1, Dv))
         state = _append(state, new_k, new_v, founder_r(new_v, config), donate)
-        with torch.no_grad():  # and to the new slots
-            new_sims = ku @ state_norm(new_k, weight, bias).transpose(-1, -2)
-            sims = torch.cat([sims, new_sims], dim=-1)
+        with torch.no_grad():  # a new slot is the target where it is strictly more similar
+            new_best, new_dest = (ku @ state_norm(new_k, weight, bias).transpose(-1, -2)).max(-1)
+            dest = torch.where(new_best > best, new_dest + S0, dest)
         merged = torch.ones_like(g).scatter(2, picked.unsqueeze(-1), 0.0)
         kg, vg = kg * merged, vg * merged
 
-    with torch.no_grad():  # merge targets: the most similar non-sink slot, first on ties
-        sinks = config.sink_len
-        dest = sims[..., sinks:].max(dim=-1).indices + sinks  # (B, Hkv, C)
     if config.use_vlens:
         counts = g.new_zeros(dest.shape)  # r is the founder's norm: merges leave it
     else:
@@ -216,20 +216,38 @@ def kvm_attention(
     group = (1, dims.Hkv, dims.groups, 1, 1)
     # the softmax scale and each head's temperature go into the queries, once per call
     qw = qg * (scale if window_temp is None else scale * window_temp.view(group))
-    qs = qg * (scale if state_temp is None else scale * state_temp.view(group))
-    out = q.new_empty(dims.B, dims.Hkv, dims.groups, dims.T, dims.Dv)
+    if state_temp is None and window_temp is None:
+        qs = qw
+    else:
+        qs = qg * (scale if state_temp is None else scale * state_temp.view(group))
+    chunks = range(n0 // C, (n1 - 1) // C + 1)
+    # Under autograd every tensor is cut into its chunks once: the backward of a slice fills a
+    # zero tensor of the whole input, once per chunk, where that of a split joins the pieces.
+    tracked = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad
+        for t in (q, k, v, gate, norm_weight, norm_bias, window_temp, state_temp,
+                  state.slots.tensor)
+    )  # fmt: skip
+    sizes = [min(n1, (c + 1) * C) - max(n0, c * C) for c in chunks]
+    q_w, q_s = qw.split(sizes, dim=3), qs.split(sizes, dim=3)
+    pieces = [t.split(C, dim=2) for t in (win.k, win.v, win.g)]  # chunk base // C + j
+
+    def window_of(i: int, lo: int, b: int) -> Tensor:
+        """Keys (i=0), values (1) or gates (2) of tokens [lo, b), lo and b in whole chunks."""
+        if not tracked:
+            return (win.k, win.v, win.g)[i][:, :, lo - base : b - base]
+        parts = pieces[i][(lo - base) // C : (b - 1 - base) // C + 1]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+    outs = []
     read = None  # the slots' read-out (keys, values) as they stand, once computed
-    future = hidden_future(min(C, dims.T), q.device)
-    for c in range(n0 // C, (n1 - 1) // C + 1):
+    for i, c in enumerate(chunks):
         a, b = max(n0, c * C), min(n1, (c + 1) * C)  # this call's queries in chunk c
         lo = max(0, (c - N + 1) * C)  # first window token of chunk c
-        window = slice(lo - base, b - base)
-        rows = slice(a - n0, b - n0)
         sets = []
         if c >= N:
             if cov < lo:  # the chunk [cov, cov + C) left the window at this chunk's start
-                blk = slice(cov - base, cov - base + C)
-                k_b, v_b, g_b = win.k[:, :, blk], win.v[:, :, blk], win.g[:, :, blk]
+                k_b, v_b, g_b = (pieces[j][(cov - base) // C] for j in range(3))
                 read_k = None if read is None else read[0]
                 own = donate or state.slots.store is not given
                 state = update_state(
@@ -238,10 +256,11 @@ def kvm_attention(
                 cov, read = lo, None
             if read is None:
                 read = read_state(state, norm_weight, norm_bias)
-            sets.append(KeySet(qs[:, :, :, rows], *read))
-        hide = future[: b - a, : b - a] if b - a > 1 else None  # causal among the chunk's own
-        sets.append(KeySet(qw[:, :, :, rows], win.k[:, :, window], win.v[:, :, window], hide))
-        out[:, :, :, rows] = attend_key_sets(sets)
+            sets.append(KeySet(q_s[i], *read))
+        causal = b - a > 1  # among the chunk's own tokens (one query sees all of them)
+        sets.append(KeySet(q_w[i], window_of(0, lo, b), window_of(1, lo, b), causal))
+        outs.append(attend_key_sets(sets))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)
     kept = None if read is None else ReadOut(*read, ReadOut.norm_of(norm_weight, norm_bias))
     state = replace(state, window=win.keep_from(window_start(config, n1)), read=kept)
     return ungroup_heads(out), state

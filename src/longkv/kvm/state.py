@@ -38,11 +38,20 @@ class ReadOut:
     @staticmethod
     def norm_of(weight: Tensor | None, bias: Tensor | None) -> tuple[object, ...]:
         """What identifies LN_s parameters: the tensors and their in-place versions."""
-        return tuple(x for t in (weight, bias) for x in (t, None if t is None else t._version))
+        return (
+            weight, bias,
+            None if weight is None else weight._version,
+            None if bias is None else bias._version,
+        )  # fmt: skip
 
     def matches(self, weight: Tensor | None, bias: Tensor | None) -> bool:
-        pairs = zip(self.norm, ReadOut.norm_of(weight, bias), strict=True)
-        return all(a is b if isinstance(a, Tensor) else a == b for a, b in pairs)
+        """Whether the read-out was made with these very parameters, unchanged since."""
+        w, b, wv, bv = self.norm
+        return (
+            w is weight and b is bias
+            and wv == (None if weight is None else weight._version)
+            and bv == (None if bias is None else bias._version)
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
