@@ -9,7 +9,7 @@ import torch
 from conftest import assert_close, assert_same_state, make_inputs
 from longkv.attention.core import KeySet, _attend_concatenated, attend_key_sets
 from longkv.attention.state import Rows
-from longkv.kvm import KVMConfig, kvm_attention
+from longkv.kvm import KVMConfig, KVMDecoder, decode_attend, kvm_attention
 
 
 def key_sets(G: int, Lq: int, Dk: int, Dv: int, seed: int = 0) -> list[KeySet]:
@@ -123,3 +123,32 @@ def test_the_kept_read_out_follows_the_norm_parameters() -> None:
     with torch.no_grad():
         weight.mul_(2.0)  # an optimizer step changes the parameter in place
     assert not state.read.matches(weight, inp.extras["norm_bias"])
+
+
+@pytest.mark.parametrize("budget", ["fixed", "sqrt"])
+def test_the_fixed_shape_decoder_continues_a_state_as_kvm_attention_does(budget: str) -> None:
+    config = CONFIG if budget == "fixed" else KVMConfig(
+        chunk_len=4, window_chunks=2, sink_len=1, budget="power_law", state_min_len=4,
+        growth_factor=3.0, max_state_chunks=None,
+    )  # fmt: skip
+    inp = make_inputs(T=50)  # Dk 8, Dv 6, two query heads per key head, gates and temperatures
+    whole, whole_state = kvm_attention(inp.q, inp.k, inp.v, config, **inp.extras)
+    q, k, v, extras = inp.span(0, 2)  # from inside the first chunk
+    _, state = kvm_attention(q, k, v, config, **extras)
+    decoder = KVMDecoder(state)
+    with torch.no_grad():
+        outs = [
+            decoder.step(*inp.span(t, t + 1)[:3], **inp.span(t, t + 1)[3]) for t in range(2, 50)
+        ]
+    assert_close(torch.cat(outs, dim=2), whole[:, :, 2:])
+    assert_same_state(decoder.to_state(), whole_state)
+
+
+def test_a_compiled_decode_step_equals_the_eager_one() -> None:
+    inp = make_inputs(T=40)
+    _, state = kvm_attention(*inp.span(0, 21)[:3], CONFIG, **inp.span(0, 21)[3])
+    eager, compiled = KVMDecoder(state), KVMDecoder(state, attend=torch.compile(decode_attend))
+    with torch.no_grad():
+        for t in range(21, 40):
+            q, k, v, extras = inp.span(t, t + 1)
+            assert_close(compiled.step(q, k, v, **extras), eager.step(q, k, v, **extras))

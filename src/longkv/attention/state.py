@@ -108,8 +108,12 @@ class Rows:
         rest = Rows(self.store, self.lo + i, self.hi)
         if 4 * len(rest) >= self.store.capacity:
             return rest
-        data = rest.tensor.clone() if _tracked(self.store.data) else _with_room(rest.tensor)
-        return Rows(Store(data, len(rest)), 0, len(rest))
+        return Rows.of(rest.tensor.clone()) if _tracked(self.store.data) else rest.copy()
+
+    def copy(self) -> Rows:
+        """The same rows in a store of their own, with room to grow."""
+        data = _with_room(self.tensor)
+        return Rows(Store(data, len(self)), 0, len(self))
 
     def select_rows(self, rows: Tensor) -> Rows:
         """The batch rows `rows` (R,), in that order, in a new store."""

@@ -1,6 +1,8 @@
-"""Key-Value Means attention: config, state, chunk-parallel fast path, naive reference."""
+"""Key-Value Means attention: config, state, chunk-parallel fast path, naive reference, and a
+fixed-shape decoder."""
 
 from longkv.kvm.config import KVMConfig, desired_state_len
+from longkv.kvm.decode import KVMDecoder, decode_attend
 from longkv.kvm.functional import kvm_attention
 from longkv.kvm.layer import ABLATIONS, KVMAttention
 from longkv.kvm.naive import kvm_attention_naive
@@ -10,7 +12,9 @@ __all__ = [
     "ABLATIONS",
     "KVMAttention",
     "KVMConfig",
+    "KVMDecoder",
     "KVMState",
+    "decode_attend",
     "desired_state_len",
     "kvm_attention",
     "kvm_attention_naive",

@@ -80,6 +80,16 @@ def _append(state: KVMState, k: Tensor, v: Tensor, r: Tensor, donate: bool) -> K
     return replace(state, slots=state.slots.append(pack_slots(k, v, r), donate), read=None)
 
 
+def found_first(
+    state: KVMState, k: Tensor, v: Tensor, weight: Tensor | None, bias: Tensor | None,
+    donate: bool = False,
+) -> KVMState:  # fmt: skip
+    """The state with tokens k (B, Hkv, n, Dk), v of the first chunk copied in as slots: the
+    first chunk enters the state as it arrives (spec section 5)."""
+    config = state.config
+    return _append(state, prep_keys(k, config, weight, bias), v, founder_r(v, config), donate)
+
+
 def update_state(
     state: KVMState,
     k: Tensor,
@@ -208,8 +218,8 @@ def kvm_attention(
     n1, base = win.seen, win.start
     if n0 < C:  # the first chunk is copied into the state as it arrives
         first = slice(n0 - base, min(n1, C) - base)
-        k0, v0 = prep_keys(win.k[:, :, first], config, norm_weight, norm_bias), win.v[:, :, first]
-        state = _append(state, k0, v0, founder_r(v0, config), donate)
+        k0, v0 = win.k[:, :, first], win.v[:, :, first]
+        state = found_first(state, k0, v0, norm_weight, norm_bias, donate)
     cov = max(min(n1, C), window_start(config, n0))
 
     qg, scale = group_heads(q, dims.Hkv), logit_scale(dims, scale)  # (B, Hkv, G, T, Dk)
