@@ -1,7 +1,8 @@
 """`longkv bench kvm`: prefill and decode cost of KVM against BSWA and full attention.
 
 Every method runs on the same random q, k, v in one process, so the printed ratios compare
-numbers measured side by side. Times are medians over repeats after warm-up calls; decode
+numbers measured side by side. Times are medians over rounds that time every method in turn
+(after warm-up calls), so that a drift of the machine touches every method alike; decode
 time is the mean over `decode_tokens` single-token calls after a prefill of T tokens (one
 chunk's worth by default, so KVM's once-per-chunk state update is included at its real rate),
 each passing the state back with donate=True as a decode loop does, its median over one decode
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -179,46 +181,65 @@ def _timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
     return result, time.perf_counter() - t0
 
 
-def measure(step: Step, method: str, T: int, s: BenchSettings) -> Measurement:
-    """Prefill T tokens (peak memory on the first call, a warm-up, timed repeats), then decode."""
+def measure(steps: dict[str, Step], T: int, s: BenchSettings) -> list[Measurement]:
+    """Every method at context T: the first prefill measures peak memory, a second warms up;
+    then `repeats` rounds each time one prefill of every method in turn, and as many rounds each
+    decoding from one of those prefills' states, so that a slow drift of the machine touches
+    every method alike."""
     device, dtype = torch.device(s.device), DTYPES[s.dtype]
     g = torch.Generator(device=device).manual_seed(s.seed)
     n = T + s.n_decode
     shape = (s.batch, s.heads, n, s.head_dim)
     q, k, v = (torch.randn(shape, generator=g, device=device, dtype=dtype) for _ in range(3))
     prefill = (q[:, :, :T], k[:, :, :T], v[:, :, :T], None, False)
+
+    def decode(step: Step, st: Any) -> Any:
+        for t in range(T, n):
+            one = (q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1])
+            _, st = step(*one, st, True)
+        return st
+
+    peaks, prefills, decodes = {}, defaultdict(list), defaultdict(list)
     with torch.no_grad():
-        (_, state), peak = peak_memory(lambda: step(*prefill), device)
-        step(*prefill)  # warm-up with the heap as the timed calls find it
-        timed = [_timed(lambda: step(*prefill), device) for _ in range(s.repeats)]
-
-        def decode(st: Any) -> Any:
-            for t in range(T, n):
-                one = (q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1])
-                _, st = step(*one, st, True)
-            return st
-
-        decode(state)  # warm-up; then one decode from each timed prefill's state
-        decoded = [_timed(lambda st=st: decode(st), device) for (_, st), _ in timed]
-        final = decoded[-1][0]
-    work = method_work(s, method, T)
-    shape = Shape(B=s.batch, H=s.heads, Hkv=s.heads, D=s.head_dim)
-    return Measurement(
-        method=method,
-        T=T,
-        prefill_s=statistics.median(t for _, t in timed),
-        prefill_peak_bytes=peak,
-        decode_s_per_token=statistics.median(t for _, t in decoded) / s.n_decode,
-        state_bytes=final.nbytes,
-        prefill_flops=work.prefill_flops,
-        prefill_rate=gemm_rate(
-            shape, s.chunk_len, min(work.prefill_keys, KV_BLOCK), device, dtype, s.repeats
-        ),
-        decode_flops=work.decode_flops,
-        decode_rate=gemm_rate(
-            shape, 1, min(work.decode_keys, KV_BLOCK), device, dtype, 10 * s.repeats
-        ),
-    )
+        for method, step in steps.items():
+            (_, state), peaks[method] = peak_memory(lambda step=step: step(*prefill), device)
+            decode(step, state)  # warm-up of the decode, from the first prefill
+            step(*prefill)  # warm-up of the prefill, with the heap as the timed calls find it
+        for _ in range(s.repeats):
+            for method, step in steps.items():
+                prefills[method].append(_timed(lambda step=step: step(*prefill), device))
+        for r in range(s.repeats):
+            for method, step in steps.items():
+                (_, st), _ = prefills[method][r]
+                decodes[method].append(_timed(lambda step=step, st=st: decode(step, st), device))
+    out = []
+    for method in steps:
+        work = method_work(s, method, T)
+        shape = Shape(B=s.batch, H=s.heads, Hkv=s.heads, D=s.head_dim)
+        out.append(
+            Measurement(
+                method=method,
+                T=T,
+                prefill_s=statistics.median(t for _, t in prefills[method]),
+                prefill_peak_bytes=peaks[method],
+                decode_s_per_token=statistics.median(t for _, t in decodes[method]) / s.n_decode,
+                state_bytes=decodes[method][-1][0].nbytes,
+                prefill_flops=work.prefill_flops,
+                prefill_rate=gemm_rate(
+                    shape,
+                    s.chunk_len,
+                    min(work.prefill_keys, KV_BLOCK),
+                    device,
+                    dtype,
+                    s.repeats,
+                ),
+                decode_flops=work.decode_flops,
+                decode_rate=gemm_rate(
+                    shape, 1, min(work.decode_keys, KV_BLOCK), device, dtype, 10 * s.repeats
+                ),
+            )
+        )
+    return out
 
 
 # time / floor targets of the KVM prefills (issue 11), from this length on
@@ -274,9 +295,8 @@ def run(s: BenchSettings, argv: list[str] | None = None) -> BenchResult:
     steps = method_steps(s)
     result = BenchResult(settings=s, provenance=provenance(argv))
     result.provenance["heap_kept"] = keep_freed_heap() if s.keep_heap else False
-    jobs = [(m, T) for T in s.lengths for m in s.methods]
-    for method, T in tqdm(jobs, desc="bench kvm", unit="run"):
-        result.measurements.append(measure(steps[method], method, T, s))
+    for T in tqdm(s.lengths, desc="bench kvm", unit="length"):
+        result.measurements += measure({m: steps[m] for m in s.methods}, T, s)
     result.ratios = ratios(result)
     return result
 

@@ -224,12 +224,10 @@ def kvm_attention(
 
     qg, scale = group_heads(q, dims.Hkv), logit_scale(dims, scale)  # (B, Hkv, G, T, Dk)
     group = (1, dims.Hkv, dims.groups, 1, 1)
-    # the softmax scale and each head's temperature go into the queries, once per call
-    qw = qg * (scale if window_temp is None else scale * window_temp.view(group))
-    if state_temp is None and window_temp is None:
-        qs = qw
-    else:
-        qs = qg * (scale if state_temp is None else scale * state_temp.view(group))
+    # the softmax scale and each head's temperature go into the queries (per chunk: a copy of
+    # all queries would double a long prefill's memory)
+    tau_w = scale if window_temp is None else scale * window_temp.view(group)
+    tau_s = scale if state_temp is None else scale * state_temp.view(group)
     chunks = range(n0 // C, (n1 - 1) // C + 1)
     # Under autograd every tensor is cut into its chunks once: the backward of a slice fills a
     # zero tensor of the whole input, once per chunk, where that of a split joins the pieces.
@@ -239,7 +237,7 @@ def kvm_attention(
                   state.slots.tensor)
     )  # fmt: skip
     sizes = [min(n1, (c + 1) * C) - max(n0, c * C) for c in chunks]
-    q_w, q_s = qw.split(sizes, dim=3), qs.split(sizes, dim=3)
+    q_c = qg.split(sizes, dim=3)
     pieces = [t.split(C, dim=2) for t in (win.k, win.v, win.g)]  # chunk base // C + j
 
     def window_of(i: int, lo: int, b: int) -> Tensor:
@@ -249,7 +247,8 @@ def kvm_attention(
         parts = pieces[i][(lo - base) // C : (b - 1 - base) // C + 1]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
-    outs = []
+    outs = []  # with autograd; else written into out
+    out = None if tracked or len(sizes) == 1 else q.new_empty(*qg.shape[:4], dims.Dv)
     read = None  # the slots' read-out (keys, values) as they stand, once computed
     for i, c in enumerate(chunks):
         a, b = max(n0, c * C), min(n1, (c + 1) * C)  # this call's queries in chunk c
@@ -266,11 +265,15 @@ def kvm_attention(
                 cov, read = lo, None
             if read is None:
                 read = read_state(state, norm_weight, norm_bias)
-            sets.append(KeySet(q_s[i], *read))
+            sets.append(KeySet(q_c[i] * tau_s, *read))
         causal = b - a > 1  # among the chunk's own tokens (one query sees all of them)
-        sets.append(KeySet(q_w[i], window_of(0, lo, b), window_of(1, lo, b), causal))
-        outs.append(attend_key_sets(sets))
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)
+        sets.append(KeySet(q_c[i] * tau_w, window_of(0, lo, b), window_of(1, lo, b), causal))
+        if out is None:
+            outs.append(attend_key_sets(sets))
+        else:
+            out[:, :, :, a - n0 : b - n0] = attend_key_sets(sets)
+    if out is None:
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)
     kept = None if read is None else ReadOut(*read, ReadOut.norm_of(norm_weight, norm_bias))
     state = replace(state, window=win.keep_from(window_start(config, n1)), read=kept)
     return ungroup_heads(out), state
