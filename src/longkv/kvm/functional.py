@@ -228,6 +228,8 @@ def kvm_attention(
     # all queries would double a long prefill's memory)
     tau_w = scale if window_temp is None else scale * window_temp.view(group)
     tau_s = scale if state_temp is None else scale * state_temp.view(group)
+    if state_temp is None and window_temp is None:
+        tau_s = tau_w  # one scaled copy of the queries serves both key sets
     chunks = range(n0 // C, (n1 - 1) // C + 1)
     # Under autograd every tensor is cut into its chunks once: the backward of a slice fills a
     # zero tensor of the whole input, once per chunk, where that of a split joins the pieces.
@@ -237,13 +239,14 @@ def kvm_attention(
                   state.slots.tensor)
     )  # fmt: skip
     sizes = [min(n1, (c + 1) * C) - max(n0, c * C) for c in chunks]
-    q_c = qg.split(sizes, dim=3)
-    pieces = [t.split(C, dim=2) for t in (win.k, win.v, win.g)]  # chunk base // C + j
+    q_c = qg.split(sizes, dim=3) if len(sizes) > 1 else (qg,)
+    window = (win.k, win.v, win.g)
+    pieces = [t.split(C, dim=2) for t in window] if tracked else []  # chunk base // C + j
 
     def window_of(i: int, lo: int, b: int) -> Tensor:
         """Keys (i=0), values (1) or gates (2) of tokens [lo, b), lo and b in whole chunks."""
         if not tracked:
-            return (win.k, win.v, win.g)[i][:, :, lo - base : b - base]
+            return window[i][:, :, lo - base : b - base]
         parts = pieces[i][(lo - base) // C : (b - 1 - base) // C + 1]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
@@ -253,10 +256,11 @@ def kvm_attention(
     for i, c in enumerate(chunks):
         a, b = max(n0, c * C), min(n1, (c + 1) * C)  # this call's queries in chunk c
         lo = max(0, (c - N + 1) * C)  # first window token of chunk c
+        q_w = q_c[i] * tau_w
         sets = []
         if c >= N:
             if cov < lo:  # the chunk [cov, cov + C) left the window at this chunk's start
-                k_b, v_b, g_b = (pieces[j][(cov - base) // C] for j in range(3))
+                k_b, v_b, g_b = (window_of(j, cov, cov + C) for j in range(3))
                 read_k = None if read is None else read[0]
                 own = donate or state.slots.store is not given
                 state = update_state(
@@ -265,9 +269,9 @@ def kvm_attention(
                 cov, read = lo, None
             if read is None:
                 read = read_state(state, norm_weight, norm_bias)
-            sets.append(KeySet(q_c[i] * tau_s, *read))
+            sets.append(KeySet(q_w if tau_s is tau_w else q_c[i] * tau_s, *read))
         causal = b - a > 1  # among the chunk's own tokens (one query sees all of them)
-        sets.append(KeySet(q_c[i] * tau_w, window_of(0, lo, b), window_of(1, lo, b), causal))
+        sets.append(KeySet(q_w, window_of(0, lo, b), window_of(1, lo, b), causal))
         if out is None:
             outs.append(attend_key_sets(sets))
         else:
