@@ -131,6 +131,11 @@ class KeySet:
     causal: bool = False
 
 
+def records_grad(*tensors: Tensor | None) -> bool:
+    """Whether autograd records operations on any of these tensors (None entries ignored)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 # the fused CPU kernel behind scaled_dot_product_attention, which also returns the log-sum-exp
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
@@ -173,8 +178,7 @@ def _fused(sets: list[KeySet]) -> bool:
     """Whether the fused CPU kernel runs the sets: on the CPU, without gradients."""
     if _FLASH_CPU is None or sets[0].q.device.type != "cpu":
         return False
-    tensors = [t for s in sets for t in (s.q, s.k, s.v)]
-    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+    return not records_grad(*(t for s in sets for t in (s.q, s.k, s.v)))
 
 
 @functools.lru_cache(maxsize=16)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from longkv.attention.core import Dims
+from longkv.attention.core import Dims, records_grad
 
 
 class Store:
@@ -24,11 +24,6 @@ class Store:
     @property
     def capacity(self) -> int:
         return self.data.shape[2]
-
-
-def _tracked(*tensors: Tensor) -> bool:
-    """Whether autograd records operations on these tensors (then nothing is written in place)."""
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 @dataclass(frozen=True)
@@ -69,7 +64,7 @@ class Rows:
     def append(self, x: Tensor, own: bool = False) -> Rows:
         """These rows followed by x (B, Hkv, n, width)."""
         s, n, L = self.store, x.shape[2], len(self)
-        if _tracked(s.data, x):
+        if records_grad(s.data, x):  # nothing is written in place
             return Rows.of(torch.cat([self.tensor, x], dim=2))
         newest = s.writable and s.end == self.hi
         if own and newest and self.hi + n > s.capacity and self.lo >= L and L + n <= s.capacity:
@@ -81,15 +76,12 @@ class Rows:
             s.data.narrow(2, self.hi, n).copy_(x)
             s.end = self.hi + n
             return Rows(s, self.lo, self.hi + n)
-        data = x.new_empty(*x.shape[:2], 2 * (L + n), x.shape[3])
-        data[:, :, :L] = self.tensor
-        data[:, :, L : L + n] = x
-        return Rows(Store(data, L + n), 0, L + n)
+        return Rows._grown(self.tensor, x)
 
     def add_at(self, index: Tensor, src: Tensor, own: bool = False) -> Rows:
         """These rows with src (B, Hkv, n, width) added at rows index (B, Hkv, n) (repeated
         rows sum); in place only with own, else into a copy of the rows."""
-        if _tracked(self.store.data, src):
+        if records_grad(self.store.data, src):
             return Rows.of(self.tensor.scatter_add(2, index.unsqueeze(-1).expand_as(src), src))
         s = self.store
         if own and s.writable and s.data.is_contiguous():
@@ -108,12 +100,20 @@ class Rows:
         rest = Rows(self.store, self.lo + i, self.hi)
         if 4 * len(rest) >= self.store.capacity:
             return rest
-        return Rows.of(rest.tensor.clone()) if _tracked(self.store.data) else rest.copy()
+        return Rows.of(rest.tensor.clone()) if records_grad(self.store.data) else rest.copy()
 
     def copy(self) -> Rows:
         """The same rows in a store of their own, with room to grow."""
-        data = _with_room(self.tensor)
-        return Rows(Store(data, len(self)), 0, len(self))
+        return Rows._grown(self.tensor)
+
+    @staticmethod
+    def _grown(*parts: Tensor) -> Rows:
+        """parts (B, Hkv, n_i, width) one after the other in a new store with twice their rows."""
+        n = sum(t.shape[2] for t in parts)
+        first = parts[0]
+        data = first.new_empty(*first.shape[:2], 2 * n, first.shape[3])
+        torch.cat(parts, dim=2, out=data[:, :, :n])
+        return Rows(Store(data, n), 0, n)
 
     def select_rows(self, rows: Tensor) -> Rows:
         """The batch rows `rows` (R,), in that order, in a new store."""
@@ -124,13 +124,6 @@ class Rows:
     ) -> Rows:
         """A copy on another device and/or floating dtype."""
         return Rows.of(self.tensor.to(device=device, dtype=dtype))
-
-
-def _with_room(t: Tensor) -> Tensor:
-    """A copy of t (B, Hkv, n, width) in a store of 2n rows, whose first n rows it fills."""
-    data = t.new_empty(*t.shape[:2], 2 * t.shape[2], t.shape[3])
-    data[:, :, : t.shape[2]] = t
-    return data
 
 
 @dataclass(frozen=True)

@@ -92,6 +92,11 @@ class BenchSettings:
         require_at_least(4, "BenchSettings", self, "head_dim")
 
     @property
+    def shape(self) -> Shape:
+        """The attention's sizes (every query head has its own key head here)."""
+        return Shape(B=self.batch, H=self.heads, Hkv=self.heads, D=self.head_dim)
+
+    @property
     def n_decode(self) -> int:
         """Single-token decode calls timed at each context length."""
         return self.chunk_len if self.decode_tokens is None else self.decode_tokens
@@ -124,12 +129,11 @@ def method_steps(s: BenchSettings) -> dict[str, Step]:
 
 def method_work(s: BenchSettings, method: str, T: int) -> Work:
     """The matmul work of a method's prefill of T tokens and its decode steps."""
-    shape = Shape(B=s.batch, H=s.heads, Hkv=s.heads, D=s.head_dim)
     if method in kvm_configs(s):
-        return kvm_work(kvm_configs(s)[method], T, s.n_decode, shape)
+        return kvm_work(kvm_configs(s)[method], T, s.n_decode, s.shape)
     C, N = s.chunk_len, s.window_chunks
     lo = (lambda p: (p // C - N + 1) * C) if method == "bswa" else (lambda p: 0)
-    return window_work(lo, T, s.n_decode, shape)
+    return window_work(lo, T, s.n_decode, s.shape)
 
 
 @dataclass
@@ -189,8 +193,8 @@ def measure(steps: dict[str, Step], T: int, s: BenchSettings) -> list[Measuremen
     device, dtype = torch.device(s.device), DTYPES[s.dtype]
     g = torch.Generator(device=device).manual_seed(s.seed)
     n = T + s.n_decode
-    shape = (s.batch, s.heads, n, s.head_dim)
-    q, k, v = (torch.randn(shape, generator=g, device=device, dtype=dtype) for _ in range(3))
+    size = (s.batch, s.heads, n, s.head_dim)
+    q, k, v = (torch.randn(size, generator=g, device=device, dtype=dtype) for _ in range(3))
     prefill = (q[:, :, :T], k[:, :, :T], v[:, :, :T], None, False)
 
     def decode(step: Step, st: Any) -> Any:
@@ -215,7 +219,6 @@ def measure(steps: dict[str, Step], T: int, s: BenchSettings) -> list[Measuremen
     out = []
     for method in steps:
         work = method_work(s, method, T)
-        shape = Shape(B=s.batch, H=s.heads, Hkv=s.heads, D=s.head_dim)
         out.append(
             Measurement(
                 method=method,
@@ -226,16 +229,11 @@ def measure(steps: dict[str, Step], T: int, s: BenchSettings) -> list[Measuremen
                 state_bytes=decodes[method][-1][0].nbytes,
                 prefill_flops=work.prefill_flops,
                 prefill_rate=gemm_rate(
-                    shape,
-                    s.chunk_len,
-                    min(work.prefill_keys, KV_BLOCK),
-                    device,
-                    dtype,
-                    s.repeats,
+                    s.shape, s.chunk_len, min(work.prefill_keys, KV_BLOCK), device, dtype, s.repeats
                 ),
                 decode_flops=work.decode_flops,
                 decode_rate=gemm_rate(
-                    shape, 1, min(work.decode_keys, KV_BLOCK), device, dtype, 10 * s.repeats
+                    s.shape, 1, min(work.decode_keys, KV_BLOCK), device, dtype, 10 * s.repeats
                 ),
             )
         )

@@ -22,6 +22,7 @@ from longkv.attention.core import (
     check_qkv,
     group_heads,
     logit_scale,
+    records_grad,
     ungroup_heads,
 )
 from longkv.attention.state import Rows, WindowCache
@@ -233,11 +234,9 @@ def kvm_attention(
     chunks = range(n0 // C, (n1 - 1) // C + 1)
     # Under autograd every tensor is cut into its chunks once: the backward of a slice fills a
     # zero tensor of the whole input, once per chunk, where that of a split joins the pieces.
-    tracked = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad
-        for t in (q, k, v, gate, norm_weight, norm_bias, window_temp, state_temp,
-                  state.slots.tensor)
-    )  # fmt: skip
+    tracked = records_grad(
+        q, k, v, gate, norm_weight, norm_bias, window_temp, state_temp, state.slots.tensor
+    )
     sizes = [min(n1, (c + 1) * C) - max(n0, c * C) for c in chunks]
     q_c = qg.split(sizes, dim=3) if len(sizes) > 1 else (qg,)
     window = (win.k, win.v, win.g)
