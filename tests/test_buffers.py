@@ -152,3 +152,17 @@ def test_a_compiled_decode_step_equals_the_eager_one() -> None:
         for t in range(21, 40):
             q, k, v, extras = inp.span(t, t + 1)
             assert_close(compiled.step(q, k, v, **extras), eager.step(q, k, v, **extras))
+
+
+def test_the_decoder_refuses_what_kvm_attention_refuses() -> None:
+    inp = make_inputs(T=12)
+    _, state = kvm_attention(*inp.span(0, 10)[:3], CONFIG, **inp.span(0, 10)[3])
+    decoder = KVMDecoder(state)
+    q, k, v, extras = inp.span(10, 12)
+    with pytest.raises(ValueError, match=r"KVMDecoder\.step takes one token, got 2"):
+        decoder.step(q, k, v, **extras)
+    q, k, v, extras = inp.span(10, 11)
+    with pytest.raises(ValueError, match="gate: merge gates must be > 0"):
+        decoder.step(q, k, v, **{**extras, "gate": -extras["gate"]})
+    with pytest.raises(ValueError, match=r"window_temp: expected shape \(4,\)"):
+        decoder.step(q, k, v, **{**extras, "window_temp": extras["window_temp"][:2]})

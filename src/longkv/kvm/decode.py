@@ -16,9 +16,15 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from longkv.attention.core import check_qkv, group_heads, logit_scale, ungroup_heads
+from longkv.attention.core import group_heads, ungroup_heads
 from longkv.attention.state import WindowCache
-from longkv.kvm.functional import found_first, read_state, update_state
+from longkv.kvm.functional import (
+    check_arguments,
+    found_first,
+    query_scales,
+    read_state,
+    update_state,
+)
 from longkv.kvm.state import KVMState, ReadOut, covered, window_start
 
 
@@ -57,10 +63,10 @@ class KVMDecoder:
         attend: Callable[..., Tensor] = decode_attend,
     ) -> None:
         self.config, self.attend = state.config, attend
-        # its slots are current (a copy the decoder owns); its window is not kept (the ring is)
+        # its slots are current (a copy the decoder owns) and its read-out is the one in the
+        # buffers below; its window is not kept (the ring is)
         self.slots = replace(state, slots=state.slots.copy(), read=None)
         self.seen = state.seen
-        self.cov = covered(self.config, self.seen)  # tokens [0, cov) the slots summarise
         window, W = state.window, self.config.window_len
         B, Hkv, _, Dk = window.k.shape
         like = window.k
@@ -68,22 +74,21 @@ class KVMDecoder:
         self.v = like.new_zeros(B, Hkv, W, window.v.shape[-1])
         self.g = like.new_ones(B, Hkv, W, 1)
         self.window_bias = like.new_full((W,), float("-inf"))
-        for j, p in enumerate(range(window.start, self.seen)):
-            g = None if window.g is None else window.g[:, :, j]
-            self._write(p, window.k[:, :, j], window.v[:, :, j], g)
-        rows = max(capacity or 0, state.num_slots, self.config.chunk_len)
-        self.read_k = like.new_zeros(B, Hkv, rows, Dk)
-        self.read_v = like.new_zeros(B, Hkv, rows, window.v.shape[-1])
-        self.state_bias = like.new_full((rows,), float("-inf"))
-        self.read: ReadOut | None = None  # what the buffers hold, and its LN_s parameters
+        rows = self._ring_rows(window.start)
+        self.k.index_copy_(2, rows, window.k)
+        self.v.index_copy_(2, rows, window.v)
+        if window.g is not None:
+            self.g.index_copy_(2, rows, window.g)
+        self.window_bias[rows] = 0.0
+        S = max(capacity or 0, state.num_slots, self.config.chunk_len)
+        self.read_k = like.new_zeros(B, Hkv, S, Dk)
+        self.read_v = like.new_zeros(B, Hkv, S, window.v.shape[-1])
+        self.state_bias = like.new_full((S,), float("-inf"))
 
-    def _write(self, p: int, k: Tensor, v: Tensor, g: Tensor | None) -> None:
-        """Token p's key, value (B, Hkv, D) and gate (B, Hkv, 1) into its ring row, visible."""
-        i = p % self.config.window_len
-        self.k[:, :, i] = k
-        self.v[:, :, i] = v
-        self.g[:, :, i] = 1.0 if g is None else g
-        self.window_bias[i] = 0.0
+    def _ring_rows(self, start: int) -> Tensor:
+        """The ring rows of the tokens [start, seen), in time order."""
+        pos = torch.arange(start, self.seen, device=self.k.device)
+        return pos % self.config.window_len
 
     def step(
         self,
@@ -100,45 +105,46 @@ class KVMDecoder:
     ) -> Tensor:
         """The output (B, H, 1, Dv) of the next token: q (B, H, 1, Dk), k (B, Hkv, 1, Dk), v,
         gate (B, Hkv, 1, 1), as `kvm_attention` takes them."""
-        dims = check_qkv(q, k, v)
+        dims, gate = check_arguments(
+            q, k, v, self.config, gate, norm_weight, norm_bias, window_temp, state_temp
+        )
         if dims.T != 1:
             raise ValueError(f"q: KVMDecoder.step takes one token, got {dims.T}; prefill "
                              "with kvm_attention and continue its state")  # fmt: skip
         config, p = self.config, self.seen
         C, N, W = config.chunk_len, config.window_chunks, config.window_len
         c, lo = p // C, max(0, (p // C - N + 1) * C)
-        g = None if gate is None else gate[:, :, 0]
+        cov = covered(config, p)  # the slots summarise tokens [0, cov)
         state = self.slots
         if p < C:
             state = found_first(state, k, v, norm_weight, norm_bias, donate=True)
-            self.cov, self.read = p + 1, None
-        if c >= N and self.cov < lo:  # the block [cov, cov + C) leaves: its rows are next
-            rows = slice(self.cov % W, self.cov % W + C)
+        if c >= N and cov < lo:  # the block [cov, cov + C) leaves: its rows are next
+            rows = slice(cov % W, cov % W + C)
             state = update_state(
-                state, self.k[:, :, rows], self.v[:, :, rows], self.g[:, :, rows], self.cov,
+                state, self.k[:, :, rows], self.v[:, :, rows], self.g[:, :, rows], cov,
                 norm_weight, norm_bias, donate=True,
             )  # fmt: skip
-            self.cov, self.read = lo, None
+        i = p % W  # the token's ring row
         if p % C == 0:  # chunk c - N, whose rows chunk c takes, leaves the window
-            self.window_bias[p % W : p % W + C] = float("-inf")
-        self._write(p, k[:, :, 0], v[:, :, 0], g)
+            self.window_bias[i : i + C] = float("-inf")
+        self.k[:, :, i], self.v[:, :, i], self.g[:, :, i] = k[:, :, 0], v[:, :, 0], gate[:, :, 0]
+        self.window_bias[i] = 0.0
         self.slots, self.seen = state, p + 1
-        if c >= N:
+        if c >= N:  # before, no slot is visible: state_bias is -inf throughout
             self._buffer_read_out(norm_weight, norm_bias)
-        else:
-            self.state_bias.fill_(float("-inf"))
-        qg, s = group_heads(q, dims.Hkv), logit_scale(dims, scale)  # (B, Hkv, G, 1, Dk)
-        group = (1, dims.Hkv, dims.groups, 1, 1)
-        qw = qg * (s if window_temp is None else s * window_temp.view(group))
-        qs = qg * (s if state_temp is None else s * state_temp.view(group))
+        qg = group_heads(q, dims.Hkv)  # (B, Hkv, G, 1, Dk)
+        tau_s, tau_w = query_scales(dims, scale, state_temp, window_temp)
+        qs, qw = qg * tau_s, qg * tau_w
         out = self.attend(
             qs, qw, self.read_k, self.read_v, self.state_bias, self.k, self.v, self.window_bias
         )
         return ungroup_heads(out)
 
     def _buffer_read_out(self, weight: Tensor | None, bias: Tensor | None) -> None:
-        """The slots' read-out into the buffers, unless they hold it already."""
-        if self.read is not None and self.read.matches(weight, bias):
+        """The slots' read-out into the buffers, unless they hold it already (the slots'
+        kept read-out matches: every change of the slots drops it)."""
+        read = self.slots.read
+        if read is not None and read.matches(weight, bias):
             return
         keys, values = read_state(self.slots, weight, bias)
         S = keys.shape[2]
@@ -151,14 +157,14 @@ class KVMDecoder:
         self.read_v[:, :, :S] = values
         self.state_bias.fill_(float("-inf"))
         self.state_bias[:S] = 0.0
-        self.read = ReadOut(self.read_k, self.read_v, ReadOut.norm_of(weight, bias))
+        norm = ReadOut.norm_of(weight, bias)
+        self.slots = replace(self.slots, read=ReadOut(keys, values, norm))
 
     def to_state(self) -> KVMState:
         """The `KVMState` after the tokens decoded, to continue with `kvm_attention`."""
-        start = window_start(self.config, self.seen)
-        rows = torch.arange(start, self.seen, device=self.k.device) % self.config.window_len
+        rows = self._ring_rows(window_start(self.config, self.seen))
         window = WindowCache.of(
             self.k.index_select(2, rows), self.v.index_select(2, rows), self.seen,
             self.g.index_select(2, rows),
         )  # fmt: skip
-        return KVMState(self.config, self.slots.slots, window)
+        return replace(self.slots, window=window)

@@ -156,6 +156,41 @@ def empty_state(config: KVMConfig, k: Tensor, v: Tensor) -> KVMState:
     return KVMState(config, Rows.of(slots), WindowCache.empty(k, v, with_gate=True))
 
 
+def check_arguments(
+    q: Tensor, k: Tensor, v: Tensor, config: KVMConfig, gate: Tensor | None,
+    norm_weight: Tensor | None, norm_bias: Tensor | None, window_temp: Tensor | None,
+    state_temp: Tensor | None,
+) -> tuple[Dims, Tensor]:  # fmt: skip
+    """The sizes of `kvm_attention`'s arguments and its gates (ones for None); a ValueError
+    naming the argument for a wrong shape, dtype or device, or a gate <= 0."""
+    dims = check_qkv(q, k, v)
+    config.check_head_dim(dims.Dk)
+    check_optional("gate", gate, (dims.B, dims.Hkv, dims.T, 1), q)
+    check_optional("norm_weight", norm_weight, (dims.Dk,), q)
+    check_optional("norm_bias", norm_bias, (dims.Dk,), q)
+    check_optional("window_temp", window_temp, (dims.H,), q)
+    check_optional("state_temp", state_temp, (dims.H,), q)
+    if gate is None:
+        return dims, torch.ones_like(k[..., :1])
+    if bool((gate <= 0).any()):
+        raise ValueError("gate: merge gates must be > 0 (e.g. 1 + elu(x)); got a value <= 0")
+    return dims, gate
+
+
+def query_scales(
+    dims: Dims, scale: float | None, state_temp: Tensor | None, window_temp: Tensor | None
+) -> tuple[float | Tensor, float | Tensor]:
+    """What grouped queries (B, Hkv, G, T, Dk) are multiplied by against the slots and against
+    the window: the softmax scale times each head's temperature, (1, Hkv, G, 1, 1) or a float;
+    the same object for both when no temperature tells them apart."""
+    s = logit_scale(dims, scale)
+    group = (1, dims.Hkv, dims.groups, 1, 1)
+    tau_w = s if window_temp is None else s * window_temp.view(group)
+    if state_temp is None and window_temp is None:
+        return tau_w, tau_w
+    return (s if state_temp is None else s * state_temp.view(group)), tau_w
+
+
 def check_state(state: object, config: KVMConfig, dims: Dims, like: Tensor) -> KVMState:
     """Raise a ValueError unless `state` can continue this call's sequence."""
     if not isinstance(state, KVMState):
@@ -199,17 +234,9 @@ def kvm_attention(
     again; a decode loop that passes each returned state back with donate=True allocates no
     state memory per token once the buffers have grown.
     """
-    dims = check_qkv(q, k, v)
-    config.check_head_dim(dims.Dk)
-    check_optional("gate", gate, (dims.B, dims.Hkv, dims.T, 1), q)
-    check_optional("norm_weight", norm_weight, (dims.Dk,), q)
-    check_optional("norm_bias", norm_bias, (dims.Dk,), q)
-    check_optional("window_temp", window_temp, (dims.H,), q)
-    check_optional("state_temp", state_temp, (dims.H,), q)
-    if gate is None:
-        gate = torch.ones_like(k[..., :1])
-    elif bool((gate <= 0).any()):
-        raise ValueError("gate: merge gates must be > 0 (e.g. 1 + elu(x)); got a value <= 0")
+    dims, gate = check_arguments(
+        q, k, v, config, gate, norm_weight, norm_bias, window_temp, state_temp
+    )
     state = empty_state(config, k, v) if state is None else check_state(state, config, dims, q)
 
     C, N = config.chunk_len, config.window_chunks
@@ -223,14 +250,9 @@ def kvm_attention(
         state = found_first(state, k0, v0, norm_weight, norm_bias, donate)
     cov = max(min(n1, C), window_start(config, n0))
 
-    qg, scale = group_heads(q, dims.Hkv), logit_scale(dims, scale)  # (B, Hkv, G, T, Dk)
-    group = (1, dims.Hkv, dims.groups, 1, 1)
-    # the softmax scale and each head's temperature go into the queries (per chunk: a copy of
-    # all queries would double a long prefill's memory)
-    tau_w = scale if window_temp is None else scale * window_temp.view(group)
-    tau_s = scale if state_temp is None else scale * state_temp.view(group)
-    if state_temp is None and window_temp is None:
-        tau_s = tau_w  # one scaled copy of the queries serves both key sets
+    qg = group_heads(q, dims.Hkv)  # (B, Hkv, G, T, Dk)
+    # scaled per chunk: a scaled copy of all queries would double a long prefill's memory
+    tau_s, tau_w = query_scales(dims, scale, state_temp, window_temp)
     chunks = range(n0 // C, (n1 - 1) // C + 1)
     # Under autograd every tensor is cut into its chunks once: the backward of a slice fills a
     # zero tensor of the whole input, once per chunk, where that of a split joins the pieces.
