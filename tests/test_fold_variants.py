@@ -187,3 +187,6 @@ def test_the_plateau_is_the_mean_past_depth_7_and_its_deeper_half_minus_its_shal
     table = plateau_table([fp32, bf16, short])
     assert "| 16 | bos | +1.25e+00 | +5.0e-01 | +2.50e+00 | +1.0e+00 | 2 |" in table
     assert "| 256 |" not in table  # too few chunks for a plateau
+    fp32_only = plateau_table([fp32, bf16, DriftResult(16, "float32", "bf16-cache", drift,
+                                                       [0.0] * 16, 1.0)])  # fmt: skip
+    assert "| 16 | bf16-cache | +1.25e+00 | +5.0e-01 |  |  |  |" in fp32_only  # bf16 left it out

@@ -145,17 +145,18 @@ def plateau_table(results: list[DriftResult]) -> str:
     head += [f"{d} / {dtypes[0]}" for d in dtypes[1:]]
     lines = ["| " + " | ".join(head) + " |", "|---:|---|" + "---:|" * (len(head) - 2)]
     for size, variant in rows:
-        stats = [p for d in dtypes if (p := _plateau(runs.get((size, variant, d)))) is not None]
-        if len(stats) < len(dtypes):
-            continue  # a dtype left this variant out, or too few chunks for a plateau
-        cells = [f"{m:+.2e} | {c:+.1e}" for m, c in stats]
-        cells += [f"{m / stats[0][0]:.4g}" if stats[0][0] else "" for m, _ in stats[1:]]
+        # None where a dtype left this variant out or had too few chunks for a plateau
+        stats = [r.plateau() if (r := runs.get((size, variant, d))) else None for d in dtypes]
+        if all(x is None for x in stats):
+            continue
+        cells = [" | " if x is None else f"{x[0]:+.2e} | {x[1]:+.1e}" for x in stats]
+        first = stats[0]
+        cells += [
+            f"{x[0] / first[0]:.4g}" if x is not None and first is not None and first[0] else ""
+            for x in stats[1:]
+        ]
         lines.append(f"| {size} | {variant} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
-
-
-def _plateau(run: DriftResult | None) -> tuple[float, float] | None:
-    return None if run is None else run.plateau()
 
 
 def plot_drift(results: list[DriftResult], path: Path, title: str) -> None:
