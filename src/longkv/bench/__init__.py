@@ -1,1 +1,27 @@
 """Benchmarks: scripts that measure speed and memory and print ratios from one run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from longkv.checks import require, setting
+
+THREADS_HELP = "torch threads (torch.set_num_threads); default: as torch starts"
+
+
+def threads_setting() -> Any:
+    """The `threads` field of a benchmark's settings (None: torch's own count)."""
+    return setting(None, THREADS_HELP)
+
+
+def check_threads(owner: str, threads: int | None) -> None:
+    """SettingError on owner.threads unless it is None or >= 1."""
+    require(threads is None or threads >= 1, f"{owner}.threads", f"must be >= 1, got {threads}")
+
+
+def use_threads(threads: int | None) -> None:
+    """Run torch on `threads` threads (None: leave torch's count)."""
+    if threads is not None:
+        torch.set_num_threads(threads)

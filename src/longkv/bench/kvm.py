@@ -26,6 +26,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from longkv.attention import block_sliding_window_attention, full_attention
+from longkv.bench import check_threads, threads_setting, use_threads
 from longkv.bench.flops import Shape, Work, gemm_rate, kvm_work, window_work
 from longkv.bench.memory import keep_freed_heap, peak_memory
 from longkv.checks import require, require_at_least, setting
@@ -57,9 +58,7 @@ class BenchSettings:
         None, "single-token decode calls timed (default: as many as the chunk length)"
     )
     methods: tuple[str, ...] = setting(METHODS, "methods measured", choices=METHODS)
-    threads: int | None = setting(
-        None, "torch threads (torch.set_num_threads); default: as torch starts"
-    )
+    threads: int | None = threads_setting()
     seed: int = setting(0, "seed of the random q, k, v")
     keep_heap: bool = setting(
         True,
@@ -84,11 +83,7 @@ class BenchSettings:
             f"must be one of {sorted(DTYPES)}, got {self.dtype!r}",
         )
         require_at_least(1, "BenchSettings", self, "lengths", "repeats", "batch", "heads")
-        require(
-            self.threads is None or self.threads >= 1,
-            "BenchSettings.threads",
-            f"must be >= 1 (or unset), got {self.threads}",
-        )
+        check_threads("BenchSettings", self.threads)
         require_at_least(4, "BenchSettings", self, "head_dim")
 
     @property
@@ -288,8 +283,7 @@ def ratios(r: BenchResult) -> dict[str, dict[str, Any]]:
 
 def run(s: BenchSettings, argv: list[str] | None = None) -> BenchResult:
     """Measure every method at every length, with a progress bar."""
-    if s.threads is not None:
-        torch.set_num_threads(s.threads)
+    use_threads(s.threads)
     steps = method_steps(s)
     result = BenchResult(settings=s, provenance=provenance(argv))
     result.provenance["heap_kept"] = keep_freed_heap() if s.keep_heap else False

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
+from longkv.bench import check_threads, threads_setting, use_threads
 from longkv.bench.memory import keep_freed_heap
 from longkv.checks import require, require_at_least, setting
 from longkv.models import LongKVConfig, LongKVForCausalLM
@@ -49,9 +50,7 @@ class TrainBenchSettings:
     variants: tuple[str, ...] = setting(tuple(VARIANTS), "mixers timed", choices=tuple(VARIANTS))
     batch: int = setting(1, "rows per step")
     repeats: int = setting(5, "timed rounds (median)")
-    threads: int | None = setting(
-        None, "torch threads (torch.set_num_threads); default: as torch starts"
-    )
+    threads: int | None = threads_setting()
     vocab_size: int = setting(50257, "vocabulary of the random tokens and the model")
     seed: int = setting(0, "seed of the random tokens")
     out_dir: str = setting(
@@ -67,11 +66,7 @@ class TrainBenchSettings:
         require_at_least(
             1, "TrainBenchSettings", self, "contexts", "batch", "repeats", "vocab_size"
         )
-        require(
-            self.threads is None or self.threads >= 1,
-            "TrainBenchSettings.threads",
-            f"must be >= 1 (or unset), got {self.threads}",
-        )
+        check_threads("TrainBenchSettings", self.threads)
 
 
 def step_seconds(model: LongKVForCausalLM, optimizer: torch.optim.Optimizer, ids: Tensor) -> float:
@@ -92,8 +87,7 @@ def run(s: TrainBenchSettings, argv: list[str] | None = None) -> dict[str, Any]:
     touch all variants alike; a variant's time is its median over the rounds.
     """
     keep_freed_heap()
-    if s.threads is not None:
-        torch.set_num_threads(s.threads)
+    use_threads(s.threads)
     rows = []
     for T in s.contexts:
         ids = torch.randint(
