@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 from longkv.cli.main import main
-from longkv.cli.train import load_run, model_config
 from longkv.train import loop
+from longkv.train.run import load_run, model_config
 from longkv.train.tokenizer import gpt2_tokenizer, load_tokenizer
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny_kvm.yaml"

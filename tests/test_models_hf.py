@@ -18,8 +18,8 @@ from transformers import (
 from transformers.generation.streamers import BaseStreamer
 
 from conftest import tiny_longkv
-from longkv.cli.train import model_config
 from longkv.models import LongKVCache, LongKVConfig, LongKVForCausalLM
+from longkv.train.run import model_config
 from longkv.train.tokenizer import gpt2_tokenizer
 
 PROMPT = "The cat sat on the mat and looked at"

@@ -12,13 +12,16 @@ import pytest
 import torch
 import yaml
 
+from longkv.bench.train import variant_config
 from longkv.cli.main import main
 from longkv.evals.synthetic import make_mqar, query_distance
+from longkv.models import LongKVConfig
 from longkv.study.config import load_study, study_from_mapping
 from longkv.study.report import describe_study
 from longkv.study.runner import EVAL_FILE, StudyData, mqar_rows, run_dir, run_study
 from longkv.train import loop
 from longkv.train.data import pack_texts, split_texts
+from longkv.train.run import load_run, preset_model
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "configs" / "study" / "example_mqar.yaml"
 TINY_MODEL = {
@@ -166,6 +169,23 @@ def test_variants_merge_into_the_shared_model_and_the_presets_kvm() -> None:
     assert sqrt.kvm["growth_factor"] == 4.0 and sqrt.kvm["chunk_len"] == 4  # preset, then model
     assert fixed.token_shift and not sqrt.token_shift
     assert fixed.vocab_size == 32 and built.model_config("full").mixer == "full"
+
+
+def test_one_model_section_builds_one_model_under_train_study_and_bench(tmp_path: Path) -> None:
+    run_file = tmp_path / "run.yaml"
+    run_file.write_text(
+        "model: {preset: tiny, mixer: kvm, kvm: {budget: fixed, max_state_chunks: 1}}"
+    )
+    section = load_run(run_file, [])["model"]
+    by_train = preset_model(section, vocab_size=32)
+    study = copy.deepcopy(MQAR)
+    study["model"], study["variants"] = section, {"kvm_fixed": {}}
+    by_study = study_from_mapping(study).model_config("kvm_fixed")
+    by_bench = variant_config("kvm_fixed", 32)
+    assert by_train.to_dict() == by_study.to_dict() == by_bench.to_dict()
+    # the run file's kvm merged into the preset's: only the budget and its cap changed
+    preset = LongKVConfig.tiny().kvm
+    assert by_train.kvm == {**preset, "budget": "fixed", "max_state_chunks": 1}
 
 
 def test_mqar_rows_are_the_union_of_the_combinations_at_the_fixed_length() -> None:

@@ -8,8 +8,10 @@ field as "Owner.name", so the command line can name the option it came from inst
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import Any, TypeVar
+
+S = TypeVar("S")
 
 
 class SettingError(ValueError):
@@ -20,10 +22,23 @@ class SettingError(ValueError):
         self.field, self.message = field, message
 
 
-def setting(default: Any, help: str, *, choices: Sequence[Any] | None = None) -> Any:
+def setting(
+    default: Any,
+    help: str,
+    *,
+    choices: Sequence[Any] | None = None,
+    required: bool = False,
+    positional: bool = False,
+) -> Any:
     """A dataclass field with its default, a help text and (optionally) its allowed values;
-    for a tuple field, `choices` are the allowed items."""
-    metadata = {"help": help, "choices": None if choices is None else tuple(choices)}
+    for a tuple field, `choices` are the allowed items. On the command line a `required` field
+    must be given, and a `positional` one is given without a flag (a tuple: zero or more)."""
+    metadata = {
+        "help": help,
+        "choices": None if choices is None else tuple(choices),
+        "required": required,
+        "positional": positional,
+    }
     return dataclasses.field(default=default, metadata=metadata)
 
 
@@ -48,3 +63,17 @@ def require_at_least(bound: float, owner: str, obj: object, *names: str) -> None
         value = getattr(obj, name)
         low = min(value) if isinstance(value, tuple) else value
         require(low >= bound, f"{owner}.{name}", f"must be >= {bound}, got {value!r}")
+
+
+def require_known_keys(name: str, values: dict[str, Any], known: Iterable[str]) -> None:
+    """A ValueError naming section `name`'s keys that are not in known, and the known ones."""
+    names = sorted(known)
+    unknown = sorted(set(values) - set(names))
+    if unknown:
+        raise ValueError(f"{name}: unknown keys {unknown}; use {names}")
+
+
+def settings_from_section(cls: type[S], name: str, values: dict[str, Any]) -> S:
+    """cls built from one section of a YAML run; a key that is not a field is a ValueError."""
+    require_known_keys(name, values, [f.name for f in dataclasses.fields(cls)])  # type: ignore[arg-type]
+    return cls(**values)

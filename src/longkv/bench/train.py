@@ -22,20 +22,15 @@ from longkv.bench.memory import keep_freed_heap
 from longkv.checks import require, require_at_least, setting
 from longkv.models import LongKVConfig, LongKVForCausalLM
 from longkv.results import OUT_DIR, provenance, write_report
+from longkv.train.run import preset_model
 
-VARIANTS: dict[str, dict[str, Any]] = {  # LongKVConfig.tiny overrides
+VARIANTS: dict[str, dict[str, Any]] = {  # LongKVConfig.tiny overrides (kvm merges into its kvm)
     "kvm_fixed": dict(  # the preset's KVM layer with a fixed budget of 64 slots (one chunk)
-        mixer="kvm", kvm={**LongKVConfig.tiny().kvm, "budget": "fixed", "max_state_chunks": 1}
+        mixer="kvm", kvm={"budget": "fixed", "max_state_chunks": 1}
     ),
     "kvm_sqrt": dict(mixer="kvm"),  # the tiny preset's KVM is the sqrt budget
     "kvm_saturation": dict(  # saturating at 1024 slots, as KVMConfig.paper_saturation
-        mixer="kvm",
-        kvm={
-            **LongKVConfig.tiny().kvm,
-            "budget": "saturation",
-            "saturation_n": 1024,
-            "state_min_len": 1,
-        },
+        mixer="kvm", kvm={"budget": "saturation", "saturation_n": 1024, "state_min_len": 1}
     ),
     "bswa": dict(mixer="bswa"),
     "full": dict(mixer="full"),
@@ -69,6 +64,12 @@ class TrainBenchSettings:
         check_threads("TrainBenchSettings", self.threads)
 
 
+def variant_config(variant: str, vocab_size: int) -> LongKVConfig:
+    """The model of `variant`: the tiny preset with its overrides, built as a run file's model
+    section is (`preset_model`)."""
+    return preset_model({"preset": "tiny", **VARIANTS[variant]}, vocab_size=vocab_size)
+
+
 def step_seconds(model: LongKVForCausalLM, optimizer: torch.optim.Optimizer, ids: Tensor) -> float:
     """Seconds of one forward + backward + AdamW step on ids (B, T)."""
     t0 = time.perf_counter()
@@ -96,7 +97,7 @@ def run(s: TrainBenchSettings, argv: list[str] | None = None) -> dict[str, Any]:
         runs = {}
         for variant in s.variants:
             torch.manual_seed(s.seed)
-            config = LongKVConfig.tiny(vocab_size=s.vocab_size, **VARIANTS[variant])
+            config = variant_config(variant, s.vocab_size)
             model = LongKVForCausalLM(config).train()
             runs[variant] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4))
         times: dict[str, list[float]] = {variant: [] for variant in s.variants}

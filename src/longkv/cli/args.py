@@ -1,8 +1,9 @@
 """Command-line options made from settings dataclasses, and the settings built back from them.
 
 Each field of a settings dataclass declared with `longkv.checks.setting` becomes one option:
-`--field-name`, typed by the field's annotation (a tuple takes one or more values, a bool is a
-`--name/--no-name` switch), with the field's default, choices and help. The parser remembers
+`--field-name` (or a positional argument), typed by the field's annotation (a tuple takes one or
+more values, a bool is a `--name/--no-name` switch), with the field's default, choices, help and
+whether it is required. The parser remembers
 which dataclasses it was made from; `build_settings` builds them from the parsed options, so a
 bad value is refused before a command starts, and a `SettingError` about a field is reported
 under the option it came from.
@@ -13,7 +14,6 @@ from __future__ import annotations
 import argparse
 import types
 import typing
-from collections.abc import Iterable
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, TypeVar
 
@@ -87,13 +87,16 @@ def add_settings(parser: argparse.ArgumentParser, cls: type) -> None:
         help_text = f.metadata.get("help")
         if not help_text or f.default is MISSING:
             raise TypeError(f"{owner}: declare it with longkv.checks.setting(default, help)")
-        flag = "--" + f.name.replace("_", "-")
-        kind, options = hints[f.name], dict(dest=f.name, default=f.default, help=help_text)
+        positional = f.metadata.get("positional", False)
+        flag = f.name if positional else "--" + f.name.replace("_", "-")
+        kind, options = hints[f.name], dict(default=f.default, help=help_text)
+        if not positional:
+            options.update(dest=f.name, required=f.metadata.get("required", False))
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, **options)
         else:
             if typing.get_origin(kind) is tuple:
-                kind, options["nargs"] = typing.get_args(kind)[0], "+"
+                kind, options["nargs"] = typing.get_args(kind)[0], "*" if positional else "+"
             elif typing.get_origin(kind) in (typing.Union, types.UnionType):
                 kind = next(k for k in typing.get_args(kind) if k is not type(None))
             choices = f.metadata.get("choices")
@@ -120,17 +123,3 @@ def build_settings(args: argparse.Namespace) -> None:
     instance); a bad value raises SettingError."""
     spec: Declared = getattr(args, DECLARED)
     args.settings = {cls: settings_from_args(cls, args) for cls in spec.classes}
-
-
-def require_known_keys(name: str, values: dict[str, Any], known: Iterable[str]) -> None:
-    """A ValueError naming section `name`'s keys that are not in known, and the known ones."""
-    names = sorted(known)
-    unknown = sorted(set(values) - set(names))
-    if unknown:
-        raise ValueError(f"{name}: unknown keys {unknown}; use {names}")
-
-
-def settings_from_section(cls: type[S], name: str, values: dict[str, Any]) -> S:
-    """cls built from one section of a YAML run; a key that is not a field is a ValueError."""
-    require_known_keys(name, values, [f.name for f in fields(cls)])  # type: ignore[arg-type]
-    return cls(**values)

@@ -169,6 +169,16 @@ class LongKVConfig(PreTrainedConfig):
         return KVMConfig(**self.kvm)
 
     @classmethod
+    def _from_preset(cls, base: dict[str, Any], overrides: dict[str, Any]) -> LongKVConfig:
+        """A preset's fields `base` with `overrides` over them; a `kvm` mapping in overrides
+        merges into the preset's kvm (so `kvm={"budget": "fixed"}` changes only the budget).
+        Every preset, and so every run file, study and benchmark, builds its model this way."""
+        fields = {**base, **overrides}
+        if isinstance(overrides.get("kvm"), dict):
+            fields["kvm"] = {**base.get("kvm", {}), **overrides["kvm"]}
+        return cls(**fields)
+
+    @classmethod
     def tiny(cls, mixer: str = "kvm", **overrides: Any) -> LongKVConfig:
         """4 layers, d=256, 4 heads, C=64: trains on a CPU. KVM defaults to the sqrt budget."""
         kvm = dict(
@@ -179,7 +189,7 @@ class LongKVConfig(PreTrainedConfig):
             d_model=256, n_layers=4, n_heads=4, mixer=mixer, kvm=kvm, swa_window=128,
             bswa_chunk_len=64, bswa_window_chunks=2,
         )  # fmt: skip
-        return cls(**{**base, **overrides})
+        return cls._from_preset(base, overrides)
 
     @classmethod
     def paper_120m(cls, mixer: str = "kvm", **overrides: Any) -> LongKVConfig:
@@ -198,4 +208,4 @@ class LongKVConfig(PreTrainedConfig):
         sqrt = KVMConfig.paper_sqrt(rope_dim=32)  # half of a 64-channel head
         kvm = {f.name: getattr(sqrt, f.name) for f in fields(KVMConfig)}
         base = dict(d_model=d_model, n_layers=n_layers, n_heads=n_heads, mixer=mixer, kvm=kvm)
-        return cls(**{**base, **overrides})
+        return cls._from_preset(base, overrides)

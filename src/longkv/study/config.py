@@ -18,14 +18,13 @@ from typing import Any
 import numpy as np
 import yaml
 
-from longkv.checks import require, require_at_least
-from longkv.cli.args import require_known_keys, settings_from_section
-from longkv.cli.train import PRESETS, preset_model
+from longkv.checks import require, require_at_least, require_known_keys, settings_from_section
 from longkv.evals.position_loss import check_edges, doubling_edges
 from longkv.evals.synthetic import FILLERS, MQARConfig
 from longkv.models import LongKVConfig
 from longkv.train.data import DataConfig
 from longkv.train.loop import MODEL_FIELDS, TrainConfig
+from longkv.train.run import preset_model
 
 TASKS = ("mqar", "lm")
 SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # a folder name
@@ -322,15 +321,12 @@ class StudyConfig:
 
     def model_config(self, variant: str, **tokens: Any) -> LongKVConfig:
         """The variant's LongKVConfig: its overrides deep-merged into the shared model section,
-        a `kvm` mapping merged over the preset's kvm (so `kvm: {budget: fixed}` changes only
-        the budget), over `tokens` (an lm study's tokenizer fields; an mqar study's
+        built like every run's model (`preset_model`: a `kvm` mapping merges into the preset's),
+        over `tokens` (an lm study's tokenizer fields; an mqar study's
         vocab_size is mqar.train.vocab_size)."""
         section = deep_merge(self.model, self.variants[variant])
         if self.mqar is not None:
             tokens = {"vocab_size": self.mqar.train.vocab_size, **tokens}
-        preset = section.get("preset", "tiny")
-        if "kvm" in section and preset in PRESETS and isinstance(section["kvm"], Mapping):
-            section["kvm"] = {**PRESETS[preset]().kvm, **section["kvm"]}
         try:
             return preset_model(section, **tokens)
         except ValueError as err:

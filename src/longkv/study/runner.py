@@ -21,7 +21,6 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from longkv.cli.train import special_tokens
 from longkv.evals.position_loss import bucket_loss, held_out_position_nll
 from longkv.evals.synthetic import (
     MQARConfig,
@@ -56,6 +55,7 @@ from longkv.train.loop import (
     train_device,
     world,
 )
+from longkv.train.run import special_tokens
 from longkv.train.tokenizer import load_tokenizer
 
 EVAL_FILE = "eval.json"
