@@ -22,6 +22,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 from longkv.bench.kvm import BenchSettings
 from longkv.bench.train import TrainBenchSettings
+from longkv.cli import common
 from longkv.cli import fold as fold_cli
 from longkv.cli import niah as niah_cli
 from longkv.cli.args import build_settings
@@ -29,6 +30,7 @@ from longkv.cli.bounded import FATES, fate_rows
 from longkv.cli.main import COMMANDS, build_parser, main
 from longkv.evals import runner
 from longkv.evals.runner import NiahRecord, NiahSettings
+from longkv.fold import drift_grid
 from longkv.results import OUT_DIR, save_partial
 from longkv.train.tokenizer import gpt2_tokenizer
 
@@ -129,9 +131,9 @@ def test_every_option_has_help_and_shows_its_default_once(command: str) -> None:
 @pytest.mark.parametrize(
     ("argv", "classes"),
     [
-        (["niah"], [fold_cli.ModelOptions, niah_cli.NiahOptions, NiahSettings]),
-        (["fold"], [fold_cli.ModelOptions, fold_cli.FoldOptions]),
-        (["drift"], [fold_cli.ModelOptions, fold_cli.DriftOptions]),
+        (["niah"], [common.ModelOptions, niah_cli.NiahOptions, NiahSettings]),
+        (["fold"], [common.ModelOptions, fold_cli.FoldOptions]),
+        (["drift"], [common.ModelOptions, fold_cli.DriftOptions]),
         (["bench", "kvm"], [BenchSettings]),
         (["bench", "train"], [TrainBenchSettings]),
     ],
@@ -501,7 +503,7 @@ GRID = ("chunk_sizes", "dtypes", "variants", "name")  # what a drift rerun may c
 def test_an_interrupted_drift_grid_resumes_and_a_grown_one_runs_only_what_is_new(
     tiny_model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    measure = fold_cli.measure_drift
+    measure = drift_grid.measure_drift
     calls: list[tuple[int, str]] = []
 
     def counted(*args: Any, **kwargs: Any) -> Any:
@@ -510,7 +512,7 @@ def test_an_interrupted_drift_grid_resumes_and_a_grown_one_runs_only_what_is_new
             raise KeyboardInterrupt
         return measure(*args, **kwargs)
 
-    monkeypatch.setattr(fold_cli, "measure_drift", counted)
+    monkeypatch.setattr(drift_grid, "measure_drift", counted)
     base = ["drift", "--model", tiny_model, "--out-dir", str(tmp_path), "--name", "d",
             "--tokens", "96", "--chunk-sizes", "16", "32", "--dtypes", "fp64"]  # fmt: skip
     interrupt = True

@@ -30,10 +30,10 @@ from longkv.bench import check_threads, threads_setting, use_threads
 from longkv.bench.flops import Shape, Work, gemm_rate, kvm_work, window_work
 from longkv.bench.memory import keep_freed_heap, peak_memory
 from longkv.checks import require, require_at_least, setting
+from longkv.dtypes import DTYPES
 from longkv.kvm import KVMConfig, kvm_attention
 from longkv.results import OUT_DIR, provenance, pyplot, save_figure, write_report
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # The floor's matmul rate is measured for a chunk of queries against the mean keys a query
 # sees, at most this many: torch's fused attention kernel computes in blocks of <= 512 keys.
 KV_BLOCK = 512

@@ -95,10 +95,10 @@ def add_settings(parser: argparse.ArgumentParser, cls: type) -> None:
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, **options)
         else:
+            if typing.get_origin(kind) in (typing.Union, types.UnionType):  # X | None: X
+                kind = next(k for k in typing.get_args(kind) if k is not type(None))
             if typing.get_origin(kind) is tuple:
                 kind, options["nargs"] = typing.get_args(kind)[0], "*" if positional else "+"
-            elif typing.get_origin(kind) in (typing.Union, types.UnionType):
-                kind = next(k for k in typing.get_args(kind) if k is not type(None))
             choices = f.metadata.get("choices")
             if choices is not None:  # listed once in the help, not in every usage line
                 options["help"] += f" (choices: {shown(choices)})"

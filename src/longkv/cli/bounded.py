@@ -21,7 +21,7 @@ import torch
 from longkv.bench.compare import compare_methods, markdown_rows
 from longkv.checks import require_at_least, setting
 from longkv.cli.args import add_settings
-from longkv.cli.fold import DTYPES, ModelOptions, input_device, load, require_positions
+from longkv.cli.common import ModelOptions, dtype_setting, input_device, require_positions
 from longkv.cli.niah import methods_line
 from longkv.data.corpus import DEFAULT_TEXT, text_tokens
 from longkv.evals.runner import (
@@ -47,7 +47,7 @@ class BoundedStudyOptions:
         (2048, 8192), "lengths of corpus text the NLL, time and peak memory are measured at"
     )
     text: str = setting(DEFAULT_TEXT, "corpus file the NLL is measured on")
-    dtype: str = setting("fp32", "weights and activations", choices=sorted(DTYPES))
+    dtype: str = dtype_setting()
     name: str = setting("bounded", "file name stem of the results")
     niah_records: tuple[str, ...] = setting(
         (),
@@ -110,7 +110,7 @@ def fate_rows(records: list[NiahRecord]) -> list[str]:
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     m, o = args.settings[ModelOptions], args.settings[BoundedStudyOptions]
     s = args.settings[NiahSettings]
-    model, tokenizer = load(m, DTYPES[o.dtype])
+    model, tokenizer = m.load(o.dtype)
     check_grid(model, s, m.allow_extrapolation)
     longest = max(o.nll_tokens)
     require_positions(

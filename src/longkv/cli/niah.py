@@ -8,7 +8,7 @@ from pathlib import Path
 
 from longkv.checks import setting
 from longkv.cli.args import add_settings
-from longkv.cli.fold import DTYPES, ModelOptions, load
+from longkv.cli.common import ModelOptions, dtype_setting
 from longkv.evals.runner import (
     NiahRecord,
     NiahSettings,
@@ -26,7 +26,7 @@ from longkv.results import provenance, provenance_lines, write_atomic
 class NiahOptions:
     """`longkv niah`'s options beside the grid: the model's dtype and the results' name."""
 
-    dtype: str = setting("fp32", "weights and activations", choices=sorted(DTYPES))
+    dtype: str = dtype_setting()
     name: str = setting("niah_demo", "file name stem of the results")
 
 
@@ -68,7 +68,7 @@ def methods_line(s: NiahSettings) -> str:
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     m, o = args.settings[ModelOptions], args.settings[NiahOptions]
     settings = args.settings[NiahSettings]
-    model, tokenizer = load(m, DTYPES[o.dtype])
+    model, tokenizer = m.load(o.dtype)
     stem = Path(m.out_dir) / o.name
     prov = provenance(argv)
     result = run_niah(

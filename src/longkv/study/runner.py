@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import asdict
 from functools import cached_property
 from pathlib import Path
@@ -251,8 +252,8 @@ def run_study(
     study: StudyConfig,
     runs_dir: str | Path = RUNS_DIR,
     *,
-    variants: list[str] | None = None,
-    seeds: list[int] | None = None,
+    variants: Sequence[str] | None = None,
+    seeds: Sequence[int] | None = None,
     data: StudyData | None = None,
 ) -> dict[tuple[str, int], dict[str, Any]]:
     """Train and evaluate every (variant, seed) of the study, or of the given subsets; the

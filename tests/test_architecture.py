@@ -1,0 +1,81 @@
+"""The layering of docs/architecture.md: every import of a longkv module goes down a floor (or
+stays inside its own package), so there is no upward arrow and no circle between packages."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "longkv"
+# floor of each room (a package, or a top-level module): imports go to lower floors only
+FLOORS: dict[str, int] = {
+    "checks": 0, "dtypes": 0, "results": 0, "vml": 0, "decoding": 0, "data": 0,
+    "attention": 1, "rwkv": 1,
+    "kvm": 2,
+    "models": 3,
+    "fold": 4,
+    "caches": 5,
+    "evals": 6, "train": 6,
+    "study": 7, "bench": 7,
+    "cli": 8,
+    "__main__": 9,
+}  # fmt: skip
+
+
+def room(module: str) -> str:
+    """The room of a dotted module name inside longkv ("longkv.fold.fold" -> "fold")."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "longkv"
+
+
+def imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every `import longkv...` / `from longkv... import` in the file."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        else:
+            continue
+        found += [(node.lineno, n) for n in names if n == "longkv" or n.startswith("longkv.")]
+    return found
+
+
+def upward_imports(src: Path) -> list[str]:
+    """Each import in src that does not go down a floor: "file:line room -> room"."""
+    bad = []
+    for path in sorted(src.rglob("*.py")):
+        rel = path.relative_to(src.parent).with_suffix("")
+        own = room(".".join(rel.parts).removesuffix(".__init__"))
+        if own == "longkv":
+            continue  # the package's own __init__ imports nothing of longkv
+        for line, module in imports(path):
+            target = room(module)
+            if target == own:
+                continue
+            if target not in FLOORS or own not in FLOORS or FLOORS[target] >= FLOORS[own]:
+                bad.append(f"{path.relative_to(src)}:{line} {own} -> {target}")
+    return bad
+
+
+def test_every_room_has_a_floor() -> None:
+    packages = {p.name for p in SRC.iterdir() if (p / "__init__.py").is_file()}
+    modules = {p.stem for p in SRC.glob("*.py")} - {"__init__"}
+    assert packages | modules == set(FLOORS)
+
+
+def test_no_module_imports_upward() -> None:
+    assert upward_imports(SRC) == []
+
+
+def test_an_upward_import_is_found(tmp_path: Path) -> None:
+    pkg = tmp_path / "longkv"
+    for name, text in {
+        "checks.py": "from longkv.cli.main import main\n",
+        "fold/fold.py": "import longkv.fold.attention\nfrom longkv.kvm import KVMConfig\n",
+        "evals/x.py": "from longkv.train.loop import train\n",
+    }.items():
+        (pkg / name).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / name).write_text(text)
+    assert upward_imports(pkg) == ["checks.py:1 checks -> cli", "evals/x.py:1 evals -> train"]
