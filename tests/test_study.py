@@ -18,7 +18,7 @@ from longkv.evals.synthetic import make_mqar, query_distance
 from longkv.models import LongKVConfig
 from longkv.study.config import load_study, study_from_mapping
 from longkv.study.report import describe_study
-from longkv.study.runner import EVAL_FILE, StudyData, mqar_rows, run_dir, run_study
+from longkv.study.grid import EVAL_FILE, StudyData, mqar_rows, run_dir, run_study
 from longkv.train import loop
 from longkv.train.data import pack_texts, split_texts
 from longkv.train.run import load_run, preset_model
@@ -111,7 +111,7 @@ def test_a_tiny_mqar_grid_runs_end_to_end_then_skips_when_rerun(
     def no_training(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("a finished run was trained again")
 
-    monkeypatch.setattr("longkv.study.runner.train", no_training)
+    monkeypatch.setattr("longkv.study.grid.train", no_training)
     assert main(argv) == 0  # everything finished: nothing trained, nothing rewritten
     assert eval_files(tmp_path / "runs") == before
     assert main([*argv[:-2], "--runs-dir", str(tmp_path / "other"), "--report-only"]) == 0

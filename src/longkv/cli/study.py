@@ -13,7 +13,7 @@ from longkv.cli.args import add_settings
 from longkv.results import OUT_DIR
 from longkv.study.config import load_study
 from longkv.study.report import write_study_report
-from longkv.study.runner import RUNS_DIR, StudyData, run_study
+from longkv.study.grid import RUNS_DIR, StudyData, run_study
 
 
 @dataclass(frozen=True)

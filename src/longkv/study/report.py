@@ -16,7 +16,7 @@ from typing import Any
 
 from longkv.results import provenance, pyplot, save_figure, write_report
 from longkv.study.config import TRAIN, StudyConfig
-from longkv.study.runner import StudyData, finished, run_dir
+from longkv.study.grid import StudyData, finished, run_dir
 from longkv.train.loop import METRICS_FILE
 from longkv.train.report import read_metrics
 

@@ -6,8 +6,8 @@ replays exactly the steps it would have taken. Under torchrun each rank takes it
 global batch; DistributedDataParallel averages the gradients, or FSDP (`fully_shard` per block)
 shards parameters, gradients and optimizer state. Each process uses the GPU of its LOCAL_RANK
 when CUDA is available (bf16 autocast unless amp=False), else the CPU in the model's dtype.
-Rows are token rows, scored on every next token, or `LabelledRows`, scored on their labelled
-tokens only (the answers of MQAR rows, say).
+Training rows are token rows, scored on every next token, or `LabelledRows`, scored on their
+labelled tokens only (the answers of MQAR rows, say).
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ class LabelledRows:
         return LabelledRows(self.ids.to(device), self.labels.to(device))
 
 
-Rows = Tensor | LabelledRows  # (N, L + 1) token rows, or rows with labels
+TrainingRows = Tensor | LabelledRows  # (N, L + 1) token rows, or rows with labels
 
 
 def world() -> tuple[int, int]:
@@ -291,8 +291,8 @@ def tensorboard_writer(out: Path, first_step: int) -> Any:
 def train(
     model_config: LongKVConfig,
     cfg: TrainConfig,
-    train_rows: Rows,
-    held_out_rows: Rows,
+    train_rows: TrainingRows,
+    held_out_rows: TrainingRows,
     out_dir: str | Path,
     *,
     data: Mapping[str, Any] | None = None,
@@ -302,7 +302,7 @@ def train(
 ) -> list[dict[str, float]]:
     """Train (or resume, or extend) on rows (N, seq_len + 1) and return the metrics rows.
 
-    Rows are token rows, the loss on every next token, or LabelledRows, the loss on the
+    Training rows are token rows, the loss on every next token, or LabelledRows, the loss on the
     labelled tokens only (training and held-out alike). desc: the progress bar's label.
 
     A row per step: step, loss, lr (of that step's update), eval_loss (on eval steps) and
@@ -403,7 +403,7 @@ def train(
     return metrics
 
 
-def _next_token_loss(net: nn.Module, rows: Rows) -> Tensor:
+def _next_token_loss(net: nn.Module, rows: TrainingRows) -> Tensor:
     """Cross entropy of rows[:, 1:] given rows[:, :-1] (token rows), or of labels[:, 1:] given
     ids[:, :-1] over the labelled positions (LabelledRows)."""
     ids, labels = (rows.ids, rows.labels) if isinstance(rows, LabelledRows) else (rows, rows)
@@ -422,7 +422,7 @@ def _mean_over_ranks(value: Tensor, size: int) -> float:
 
 
 @torch.no_grad()
-def evaluate(net: nn.Module, rows: Rows, batches: int, batch_size: int) -> float:
+def evaluate(net: nn.Module, rows: TrainingRows, batches: int, batch_size: int) -> float:
     """Mean next-token loss over the first `batches` full batches of held-out rows (N, L + 1)
     (the mean over batches of each batch's loss, as in training; see `_next_token_loss`).
 

@@ -48,7 +48,7 @@ from longkv.train.data import pack_texts, packed_corpus, split_texts
 from longkv.train.loop import (
     RESUMABLE,
     LabelledRows,
-    Rows,
+    TrainingRows,
     describe,
     differences,
     run_settings,
@@ -102,7 +102,7 @@ class StudyData:
         return special_tokens(self.tokenizer) if self.study.lm is not None else {}
 
     @cached_property
-    def rows(self) -> tuple[Rows, Rows]:
+    def rows(self) -> tuple[TrainingRows, TrainingRows]:
         """(training rows, held-out rows) for the trainer."""
         if self.study.mqar is not None:
             return mqar_rows(self.study.mqar.train)
