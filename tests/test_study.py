@@ -17,8 +17,8 @@ from longkv.cli.main import main
 from longkv.evals.synthetic import make_mqar, query_distance
 from longkv.models import LongKVConfig
 from longkv.study.config import load_study, study_from_mapping
-from longkv.study.report import describe_study
 from longkv.study.grid import EVAL_FILE, StudyData, mqar_rows, run_dir, run_study
+from longkv.study.report import describe_study
 from longkv.train import loop
 from longkv.train.data import pack_texts, split_texts
 from longkv.train.run import load_run, preset_model

@@ -12,8 +12,8 @@ from longkv.checks import setting
 from longkv.cli.args import add_settings
 from longkv.results import OUT_DIR
 from longkv.study.config import load_study
-from longkv.study.report import write_study_report
 from longkv.study.grid import RUNS_DIR, StudyData, run_study
+from longkv.study.report import write_study_report
 
 
 @dataclass(frozen=True)
