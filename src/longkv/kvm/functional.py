@@ -115,7 +115,7 @@ def update_state(
     ku = prep_keys(k, config, weight, bias)
     kg, vg = ku * g, v * g
     ka, va = (kg, vg) if config.gate_appends else (ku, v)
-    target = desired_state_len(config, config.window_len + cov, cov + C, S0)
+    target = desired_state_len(config.budget_rule, config.window_len + cov, cov + C, S0)
     n_append = min(max(target - S0, 0), C)
     if n_append == C:
         return _append(state, ka, va, founder_r(va, config), donate)
