@@ -135,8 +135,8 @@ class KVMFoldRunner(BoundedRunner):
         m = keys.shape[2]
         avail = first + m - sinks.shape[2]  # the tokens the slots summarise after the update
         target = desired_state_len(self.config.budget_rule, self.seen, avail, state.num_slots)
-        state, dest = update_state(
-            state, keys, values, first, target, sinks, self.config.merge_threshold
+        state, dest = update_state(  # the runner keeps only the newest state of a layer
+            state, keys, values, first, target, sinks, self.config.merge_threshold, donate=True
         )
         self.states[layer] = state
         if self.track:
