@@ -1,5 +1,5 @@
-"""Key-Value Means attention: config, state, chunk-parallel fast path, naive reference, and a
-fixed-shape decoder."""
+"""Key-Value Means attention: config and state budget, state, the slot arithmetic (shared with
+KVM-Fold), chunk-parallel fast path, naive reference, and a fixed-shape decoder."""
 
 from longkv.kvm.config import BudgetRule, KVMConfig, desired_state_len
 from longkv.kvm.decode import KVMDecoder, decode_attend

@@ -1,8 +1,9 @@
 """Key-Value Means attention, chunk-parallel (spec: docs/kvm.md).
 
 Queries of one chunk are computed together against [state slots ; block window]; the state is
-updated once per chunk that leaves the window, so the only Python loop runs over chunks.
-`naive.py` holds the token-by-token reference that the tests compare this against.
+updated once per chunk that leaves the window, so the only Python loop runs over chunks. The
+update's routing and the read-out are `slots.py`'s, which KVM-Fold runs too; `naive.py` holds
+the token-by-token reference that the tests compare this against.
 """
 
 from __future__ import annotations
