@@ -91,6 +91,18 @@ def test_rows_add_at_sums_repeated_rows_and_changes_the_given_rows_only_when_own
     assert_close(r.tensor, expect, 0.0)
 
 
+def test_rows_made_in_inference_mode_are_copied_not_written_outside_it() -> None:
+    with torch.inference_mode():
+        r = Rows.of(rows(2)).append(rows(1))  # a store with room, of inference tensors
+    grown = r.append(rows(1), own=True)
+    added = r.add_at(torch.zeros(1, 2, 1, dtype=torch.long), torch.ones_like(rows(1)), own=True)
+    assert grown.store is not r.store and added.store is not r.store
+    assert_close(grown.tensor, torch.cat([rows(2), rows(1), rows(1)], dim=2), 0.0)
+    expect = torch.cat([rows(2), rows(1)], dim=2)
+    expect[:, :, 0] += 1
+    assert_close(added.tensor, expect, 0.0)
+
+
 CONFIG = KVMConfig(chunk_len=4, window_chunks=2, sink_len=1, state_min_len=6, max_state_chunks=2)
 
 

@@ -31,11 +31,13 @@ class Rows:
     """Rows [lo, hi) along dim 2 of a Store (tensor: (B, Hkv, hi - lo, width)).
 
     Appending writes into the store in place when these rows are the newest the store holds
-    (no other Rows extends past hi), the new rows fit and autograd is not recording: the rows
-    of every older Rows stay as they were, so a state is never changed by a later call. Else
-    the rows are copied into a new store with room to grow (twice the rows), or concatenated
-    when autograd records. `own=True` also lets rows be moved or overwritten in place (older
-    Rows of the store may then read changed data): for a caller that drops the old state.
+    (no other Rows extends past hi), the new rows fit, autograd is not recording and, for a
+    store made in inference mode, inference mode is on (torch writes inference tensors only
+    there): the rows of every older Rows stay as they were, so a state is never changed by a
+    later call. Else the rows are copied into a new store with room to grow (twice the rows), or
+    concatenated when autograd records. `own=True` also lets rows be moved or overwritten in
+    place (older Rows of the store may then read changed data): for a caller that drops the
+    old state.
     """
 
     store: Store
@@ -61,12 +63,17 @@ class Rows:
         data = self.store.data
         return data.numel() * data.element_size()
 
+    def _writable(self) -> bool:
+        """Whether the store may be written here: one made in inference mode only inside it."""
+        s = self.store
+        return s.writable and (torch.is_inference_mode_enabled() or not s.data.is_inference())
+
     def append(self, x: Tensor, own: bool = False) -> Rows:
         """These rows followed by x (B, Hkv, n, width)."""
         s, n, L = self.store, x.shape[2], len(self)
         if records_grad(s.data, x):  # nothing is written in place
             return Rows.of(torch.cat([self.tensor, x], dim=2))
-        newest = s.writable and s.end == self.hi
+        newest = self._writable() and s.end == self.hi
         if own and newest and self.hi + n > s.capacity and self.lo >= L and L + n <= s.capacity:
             # move the rows to the front of the store (lo >= L: the ranges do not overlap)
             s.data[:, :, :L] = s.data[:, :, self.lo : self.hi]
@@ -84,7 +91,7 @@ class Rows:
         if records_grad(self.store.data, src):
             return Rows.of(self.tensor.scatter_add(2, index.unsqueeze(-1).expand_as(src), src))
         s = self.store
-        if own and s.writable and s.data.is_contiguous():
+        if own and self._writable() and s.data.is_contiguous():
             rows, data, base = self, s.data, self.lo
         else:
             data = self.tensor.clone(memory_format=torch.contiguous_format)

@@ -27,7 +27,7 @@ from longkv.fold.kvm_state import (
     read_slots,
     update_state,
 )
-from longkv.kvm.config import KVMConfig, desired_state_len
+from longkv.kvm.config import BudgetRule, desired_state_len
 
 STATES = ("fixed", "sqrt", "saturation")
 
@@ -89,19 +89,16 @@ class KVMFoldConfig(BoundedConfig):
         )
 
     @functools.cached_property
-    def budget_rule(self) -> KVMConfig:
-        """The state budget as a KVMConfig for `desired_state_len` (C = 1, no sinks, no cap)."""
-        kind = {"fixed": "fixed", "sqrt": "power_law", "saturation": "saturation"}[self.state]
-        return KVMConfig(
-            chunk_len=1, window_chunks=1, sink_len=0, budget=kind,  # type: ignore[arg-type]
-            state_min_len=self.middle_len if self.state == "fixed" else 1,
-            growth_factor=self.growth_factor, growth_exponent=0.5,
-            saturation_n=self.saturation_n, max_state_chunks=None,
+    def budget_rule(self) -> BudgetRule:
+        """The state budget (`desired_state_len`, with the tokens read as the context): `state`
+        as a rule of spec section 6 (sqrt is its power law of exponent 0.5), capped at the
+        middle."""
+        fixed = self.state == "fixed"
+        return BudgetRule(
+            budget="power_law" if self.state == "sqrt" else self.state,  # type: ignore[arg-type]
+            state_min_len=self.middle_len if fixed else 1, growth_factor=self.growth_factor,
+            saturation_n=self.saturation_n, cap=self.middle_len, owner="KVMFoldConfig",
         )  # fmt: skip
-
-    def state_len(self, tokens: int, avail: int, cur: int) -> int:
-        """Slots after an update, with `tokens` read and `avail` tokens summarised by then."""
-        return min(desired_state_len(self.budget_rule, tokens, avail, cur), self.middle_len)
 
 
 class KVMFoldRunner(BoundedRunner):
@@ -136,9 +133,10 @@ class KVMFoldRunner(BoundedRunner):
         state = empty_state(keys, values) if state is None else state
         sinks = self.sink_k[layer]
         m = keys.shape[2]
-        target = self.config.state_len(self.seen, first + m - sinks.shape[2], state.num_slots)
-        state, dest = update_state(
-            state, keys, values, first, target, sinks, self.config.merge_threshold
+        avail = first + m - sinks.shape[2]  # the tokens the slots summarise after the update
+        target = desired_state_len(self.config.budget_rule, self.seen, avail, state.num_slots)
+        state, dest = update_state(  # the runner keeps only the newest state of a layer
+            state, keys, values, first, target, sinks, self.config.merge_threshold, donate=True
         )
         self.states[layer] = state
         if self.track:

@@ -70,6 +70,6 @@ def update_state_naive(
                             for b in range(B)])  # fmt: skip
 
     return (
-        FoldState(**{name: stack(name, getattr(state, name)) for name in rows}),  # type: ignore[arg-type]
+        FoldState.of(**{name: stack(name, getattr(state, name)) for name in rows}),
         dest,
     )

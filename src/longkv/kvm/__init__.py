@@ -1,7 +1,7 @@
-"""Key-Value Means attention: config, state, chunk-parallel fast path, naive reference, and a
-fixed-shape decoder."""
+"""Key-Value Means attention: config and state budget, state, the slot arithmetic (shared with
+KVM-Fold), chunk-parallel fast path, naive reference, and a fixed-shape decoder."""
 
-from longkv.kvm.config import KVMConfig, desired_state_len
+from longkv.kvm.config import BudgetRule, KVMConfig, desired_state_len
 from longkv.kvm.decode import KVMDecoder, decode_attend
 from longkv.kvm.functional import kvm_attention
 from longkv.kvm.layer import ABLATIONS, KVMAttention
@@ -10,6 +10,7 @@ from longkv.kvm.state import KVMState
 
 __all__ = [
     "ABLATIONS",
+    "BudgetRule",
     "KVMAttention",
     "KVMConfig",
     "KVMDecoder",

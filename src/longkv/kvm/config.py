@@ -3,13 +3,70 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 from typing import Literal
 
 from longkv.checks import require
 
 Budget = Literal["fixed", "power_law", "saturation"]
 BUDGETS: tuple[str, ...] = ("fixed", "power_law", "saturation")
+
+
+@dataclass(frozen=True)
+class BudgetRule:
+    """How many slots a KVM state may hold (spec section 6, `desired_state_len`).
+
+    budget: fixed (state_min_len slots), power_law (growth_factor * ctx ** growth_exponent) or
+    saturation (saturation_n * ctx / (saturation_n + ctx)), the latter two rounded down to a
+    multiple of round_down and at least state_min_len; cap: the most slots (None: no cap).
+    owner names the settings the rule was made from in its errors ("Owner.field").
+    """
+
+    budget: Budget
+    state_min_len: int
+    growth_factor: float
+    saturation_n: int
+    growth_exponent: float = 0.5
+    round_down: int = 1
+    cap: int | None = None
+    owner: InitVar[str] = "BudgetRule"
+
+    def __post_init__(self, owner: str) -> None:
+        require(
+            self.budget in BUDGETS,
+            f"{owner}.budget",
+            f"must be one of {BUDGETS}, got {self.budget!r}",
+        )
+        require(
+            isinstance(self.state_min_len, int) and self.state_min_len >= 1,
+            f"{owner}.state_min_len",
+            f"must be an int >= 1, got {self.state_min_len!r}",
+        )
+        require(
+            math.isfinite(self.growth_factor) and self.growth_factor > 0,
+            f"{owner}.growth_factor",
+            f"must be a finite number > 0, got {self.growth_factor!r}; the paper uses 16",
+        )
+        require(
+            0 < self.growth_exponent <= 1,
+            f"{owner}.growth_exponent",
+            f"must lie in (0, 1], got {self.growth_exponent!r}; 0.5 gives a sqrt budget",
+        )
+        require(
+            isinstance(self.saturation_n, int) and self.saturation_n >= 1,
+            f"{owner}.saturation_n",
+            f"must be an int >= 1, got {self.saturation_n!r}; the paper uses 1024",
+        )
+        require(
+            isinstance(self.round_down, int) and self.round_down >= 1,
+            f"{owner}.round_down",
+            f"must be an int >= 1 (1 = no rounding), got {self.round_down!r}",
+        )
+        require(
+            self.cap is None or (isinstance(self.cap, int) and self.cap >= 1),
+            f"{owner}.cap",
+            f"must be None (no cap) or an int >= 1, got {self.cap!r}",
+        )
 
 
 @dataclass(frozen=True)
@@ -55,40 +112,10 @@ class KVMConfig:
             f"first chunk leaves a non-sink slot to merge into, got {self.sink_len!r}",
         )
         require(
-            self.budget in BUDGETS,
-            "KVMConfig.budget",
-            f"must be one of {BUDGETS}, got {self.budget!r}",
-        )
-        require(
-            isinstance(self.state_min_len, int) and self.state_min_len >= 1,
-            "KVMConfig.state_min_len",
-            f"must be an int >= 1, got {self.state_min_len!r}",
-        )
-        require(
-            math.isfinite(self.growth_factor) and self.growth_factor > 0,
-            "KVMConfig.growth_factor",
-            f"must be a finite number > 0, got {self.growth_factor!r}; the paper uses 16",
-        )
-        require(
-            0 < self.growth_exponent <= 1,
-            "KVMConfig.growth_exponent",
-            f"must lie in (0, 1], got {self.growth_exponent!r}; 0.5 gives a sqrt budget",
-        )
-        require(
-            isinstance(self.saturation_n, int) and self.saturation_n >= 1,
-            "KVMConfig.saturation_n",
-            f"must be an int >= 1, got {self.saturation_n!r}; the paper uses 1024",
-        )
-        require(
             self.max_state_chunks is None
             or (isinstance(self.max_state_chunks, int) and self.max_state_chunks >= 1),
             "KVMConfig.max_state_chunks",
             f"must be None (no cap) or an int >= 1, got {self.max_state_chunks!r}",
-        )
-        require(
-            isinstance(self.round_down, int) and self.round_down >= 1,
-            "KVMConfig.round_down",
-            f"must be an int >= 1 (1 = no rounding), got {self.round_down!r}",
         )
         require(
             isinstance(self.rope_dim, int) and self.rope_dim >= 0 and self.rope_dim % 2 == 0,
@@ -97,6 +124,18 @@ class KVMConfig:
         )
         require(isinstance(self.use_vlens, bool), "KVMConfig.use_vlens", "must be a bool")
         require(isinstance(self.gate_appends, bool), "KVMConfig.gate_appends", "must be a bool")
+        self.budget_rule  # noqa: B018  (the budget's fields are checked there)
+
+    @property
+    def budget_rule(self) -> BudgetRule:
+        """The state budget: this config's rule, at most chunk_len * max_state_chunks slots."""
+        chunks = self.max_state_chunks
+        return BudgetRule(
+            budget=self.budget, state_min_len=self.state_min_len,
+            growth_factor=self.growth_factor, growth_exponent=self.growth_exponent,
+            saturation_n=self.saturation_n, round_down=self.round_down,
+            cap=None if chunks is None else self.chunk_len * chunks, owner="KVMConfig",
+        )  # fmt: skip
 
     @property
     def window_len(self) -> int:
@@ -143,22 +182,25 @@ class KVMConfig:
 _PAPER_LAYER: dict[str, object] = dict(chunk_len=256, window_chunks=2, sink_len=1, rope_dim=64)
 
 
-def desired_state_len(config: KVMConfig, ctx: int, avail: int, cur: int) -> int:
+def desired_state_len(rule: BudgetRule | KVMConfig, ctx: int, avail: int, cur: int) -> int:
     """Slots the state should hold after an update (spec section 6).
 
-    ctx: context length the budget is a function of (W + tokens already covered);
-    avail: tokens the state will summarise after the update (an upper bound on slots);
-    cur: current slots (the state never shrinks).
+    rule: the budget (a KVMConfig stands for its `budget_rule`); ctx: context length the
+    budget is a function of (W + tokens already covered); avail: tokens the state will
+    summarise after the update (an upper bound on slots); cur: current slots (the state never
+    shrinks).
     """
-    if config.budget == "fixed":
-        t = config.state_min_len
-    elif config.budget == "power_law":
-        t = math.floor(config.growth_factor * ctx**config.growth_exponent)
-        t = max(t // config.round_down * config.round_down, config.state_min_len)
+    if isinstance(rule, KVMConfig):
+        rule = rule.budget_rule
+    if rule.budget == "fixed":
+        t = rule.state_min_len
     else:
-        t = config.saturation_n * ctx // (config.saturation_n + ctx)
-        t = max(t // config.round_down * config.round_down, config.state_min_len)
+        if rule.budget == "power_law":
+            t = math.floor(rule.growth_factor * ctx**rule.growth_exponent)
+        else:
+            t = rule.saturation_n * ctx // (rule.saturation_n + ctx)
+        t = max(t // rule.round_down * rule.round_down, rule.state_min_len)
     t = min(t, avail)
-    if config.max_state_chunks is not None:
-        t = min(t, config.chunk_len * config.max_state_chunks)
+    if rule.cap is not None:
+        t = min(t, rule.cap)
     return max(t, cur)

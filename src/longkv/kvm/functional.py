@@ -1,8 +1,9 @@
 """Key-Value Means attention, chunk-parallel (spec: docs/kvm.md).
 
 Queries of one chunk are computed together against [state slots ; block window]; the state is
-updated once per chunk that leaves the window, so the only Python loop runs over chunks.
-`naive.py` holds the token-by-token reference that the tests compare this against.
+updated once per chunk that leaves the window, so the only Python loop runs over chunks. The
+update's routing and the read-out are `slots.py`'s, which KVM-Fold runs too; `naive.py` holds
+the token-by-token reference that the tests compare this against.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from longkv.attention.core import (
 )
 from longkv.attention.state import Rows, WindowCache
 from longkv.kvm.config import KVMConfig, desired_state_len
+from longkv.kvm.slots import read_founder, read_mean, route, take
 from longkv.kvm.state import KVMState, ReadOut, pack_slots, window_start
 
 LN_EPS = 1e-5
@@ -69,11 +71,8 @@ def read_state(
     state's kept read-out when its slots and the LN_s parameters are unchanged."""
     if state.read is not None and state.read.matches(weight, bias):
         return state.read.keys, state.read.values
-    keys = state_norm(state.slot_k, weight, bias)
-    if state.config.use_vlens:  # normalize(s_v) * r
-        norm = torch.linalg.vector_norm(state.slot_v, dim=-1).clamp_min(1e-12)
-        return keys, state.slot_v * (state.slot_r / norm).unsqueeze(-1)
-    return keys, state.slot_v / state.slot_r.unsqueeze(-1)
+    read_values = read_founder if state.config.use_vlens else read_mean  # r: norm or count
+    return state_norm(state.slot_k, weight, bias), read_values(state.slot_v, state.slot_r)
 
 
 def _append(state: KVMState, k: Tensor, v: Tensor, r: Tensor, donate: bool) -> KVMState:
@@ -110,43 +109,33 @@ def update_state(
     only the slots change.
     """
     config = state.config
-    C, Dk, Dv = config.chunk_len, k.shape[-1], v.shape[-1]
-    S0 = state.num_slots
+    C, S0 = config.chunk_len, state.num_slots
     ku = prep_keys(k, config, weight, bias)
     kg, vg = ku * g, v * g
     ka, va = (kg, vg) if config.gate_appends else (ku, v)
-    target = desired_state_len(config, config.window_len + cov, cov + C, S0)
+    target = desired_state_len(config.budget_rule, config.window_len + cov, cov + C, S0)
     n_append = min(max(target - S0, 0), C)
     if n_append == C:
         return _append(state, ka, va, founder_r(va, config), donate)
     if read_k is None:
         read_k = state_norm(state.slot_k, weight, bias)  # (B, Hkv, S0, Dk)
-    sinks = config.sink_len
-    with torch.no_grad():  # each token's most similar slot (the gate > 0 ranks nothing)
-        sims = ku @ read_k.transpose(-1, -2)  # (B, Hkv, C, S0)
-        best, dest = sims[..., sinks:].max(dim=-1)  # non-sink slots, first on ties
-        dest += sinks  # (B, Hkv, C)
+    # the gate, a positive factor per token, ranks nothing: the ungated ku serve every choice
+    to = route(
+        ku, read_k, config.sink_len, n_append, lambda p: state_norm(take(ka, p), weight, bias)
+    )
     merged = None  # (B, Hkv, C, 1): 1 for tokens that merge, 0 for appended ones; None = all 1
     if n_append > 0:
-        with torch.no_grad():  # novelty: the highest similarity to any slot, sinks included
-            novelty = best if sinks == 0 else torch.maximum(best, sims[..., :sinks].amax(-1))
-            least = torch.argsort(novelty, dim=-1, stable=True)[..., :n_append]
-            picked = least.sort(dim=-1).values  # (B, Hkv, n_append), in time order
-        new_k = ka.gather(2, picked.unsqueeze(-1).expand(-1, -1, -1, Dk))
-        new_v = va.gather(2, picked.unsqueeze(-1).expand(-1, -1, -1, Dv))
-        state = _append(state, new_k, new_v, founder_r(new_v, config), donate)
-        with torch.no_grad():  # a new slot is the target where it is strictly more similar
-            new_best, new_dest = (ku @ state_norm(new_k, weight, bias).transpose(-1, -2)).max(-1)
-            dest = torch.where(new_best > best, new_dest + S0, dest)
-        merged = torch.ones_like(g).scatter(2, picked.unsqueeze(-1), 0.0)
+        new_v = take(va, to.picked)
+        state = _append(state, take(ka, to.picked), new_v, founder_r(new_v, config), donate)
+        merged = to.merges.unsqueeze(-1).to(g.dtype)
         kg, vg = kg * merged, vg * merged
 
     if config.use_vlens:
-        counts = g.new_zeros(dest.shape)  # r is the founder's norm: merges leave it
+        counts = g.new_zeros(to.dest.shape)  # r is the founder's norm: merges leave it
     else:
-        counts = g.new_ones(dest.shape) if merged is None else merged.squeeze(-1)
+        counts = g.new_ones(to.dest.shape) if merged is None else merged.squeeze(-1)
     adds = torch.cat([kg, vg, counts.unsqueeze(-1)], dim=-1)  # (B, Hkv, C, Dk + Dv + 1)
-    return replace(state, slots=state.slots.add_at(dest, adds, donate), read=None)
+    return replace(state, slots=state.slots.add_at(to.dest, adds, donate), read=None)
 
 
 def empty_state(config: KVMConfig, k: Tensor, v: Tensor) -> KVMState:
