@@ -27,8 +27,8 @@ from longkv.cli import niah as niah_cli
 from longkv.cli.args import build_settings
 from longkv.cli.bounded import FATES, fate_rows
 from longkv.cli.main import COMMANDS, build_parser, main
-from longkv.evals import runner
-from longkv.evals.runner import NiahRecord, NiahSettings
+from longkv.evals import niah_run
+from longkv.evals.niah_records import NiahRecord, NiahSettings
 from longkv.results import OUT_DIR, save_partial
 from longkv.train.tokenizer import gpt2_tokenizer
 
@@ -69,15 +69,15 @@ def tiny_gpt2(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture
 def answers(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The methods runner.answer was called with, in order (the calls still run)."""
+    """The methods niah_run.answer was called with, in order (the calls still run)."""
     calls: list[str] = []
-    answer = runner.answer
+    answer = niah_run.answer
 
     def counted(model, ids, method, s, eos, *rest):  # type: ignore[no-untyped-def]
         calls.append(method)
         return answer(model, ids, method, s, eos, *rest)
 
-    monkeypatch.setattr(runner, "answer", counted)
+    monkeypatch.setattr(niah_run, "answer", counted)
     return calls
 
 

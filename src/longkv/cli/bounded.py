@@ -3,7 +3,7 @@
 For every method run (full attention, and each bounded method at each budget): the held-out
 NLL, its gap to full attention, time and peak memory over corpus text at each length of
 `--nll-tokens` (`longkv.bench.compare`), and needle-in-a-haystack answers over the grid
-(`longkv.evals.runner`), with where kvm-fold put the tokens of each needle's answer. Partial
+(`longkv.evals.niah_run`), with where kvm-fold put the tokens of each needle's answer. Partial
 results are kept beside the page (`<name>.nll.json`, `<name>.niah.json`) after every step, so
 an interrupted run resumes; they are removed once the page is written.
 """
@@ -24,16 +24,10 @@ from longkv.cli.args import add_settings
 from longkv.cli.fold import DTYPES, ModelOptions, input_device, load, require_positions
 from longkv.cli.niah import methods_line
 from longkv.data.corpus import DEFAULT_TEXT, text_tokens
-from longkv.evals.runner import (
-    NiahRecord,
-    NiahSettings,
-    accuracy_table,
-    budget_plot,
-    check_grid,
-    heatmap,
-    reusable_records,
-    run_niah,
-)
+from longkv.evals.niah_records import NiahRecord, NiahSettings
+from longkv.evals.niah_report import accuracy_table, budget_plot, heatmap
+from longkv.evals.niah_resume import reusable_records
+from longkv.evals.niah_run import check_grid, run_niah
 from longkv.results import load_partial, provenance, save_partial, write_report
 
 FATES = ("exact", "founded", "merged", "dropped")

@@ -9,14 +9,9 @@ from pathlib import Path
 from longkv.checks import setting
 from longkv.cli.args import add_settings
 from longkv.cli.fold import DTYPES, ModelOptions, load
-from longkv.evals.runner import (
-    NiahRecord,
-    NiahSettings,
-    accuracy_table,
-    fold_mismatches,
-    heatmap,
-    run_niah,
-)
+from longkv.evals.niah_records import NiahRecord, NiahSettings, fold_mismatches
+from longkv.evals.niah_report import accuracy_table, heatmap
+from longkv.evals.niah_run import run_niah
 from longkv.fold.methods import describe_runs
 from longkv.fold.variants import VARIANTS
 from longkv.results import provenance, provenance_lines, write_atomic

@@ -10,7 +10,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from longkv.evals.niah import make_sample
-from longkv.evals.runner import NiahSettings, accuracy_table, fold_mismatches, heatmap, run_niah
+from longkv.evals.niah_records import NiahSettings, fold_mismatches
+from longkv.evals.niah_report import accuracy_table, heatmap
+from longkv.evals.niah_run import run_niah
 from longkv.fold import StreamingRunner, stream
 from longkv.models.pretrained import load_pretrained
 from longkv.train.tokenizer import gpt2_tokenizer
