@@ -15,7 +15,7 @@ import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -108,6 +108,21 @@ def write_report(stem: Path, title: str, payload: dict[str, Any], body: list[str
     write_atomic(paths[0], json.dumps(payload, indent=2) + "\n")
     write_atomic(paths[1], "\n".join(page) + "\n")
     return paths
+
+
+def markdown_table(
+    header: Sequence[str], rows: Iterable[Sequence[str]], align: str | None = None
+) -> list[str]:
+    """The lines of a markdown table: the header, the alignment row, then one line per row.
+
+    align: one character per column, "<" left or ">" right; every column left when None."""
+    marks = {"<": "---|", ">": "---:|"}
+    columns = zip(header, "<" * len(header) if align is None else align, strict=True)
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + "".join(marks[a] for _, a in columns),
+        *("| " + " | ".join(row) + " |" for row in rows),
+    ]
 
 
 def pyplot() -> Any:

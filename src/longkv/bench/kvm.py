@@ -26,12 +26,12 @@ from torch import Tensor
 from tqdm import tqdm
 
 from longkv.attention import block_sliding_window_attention, full_attention
-from longkv.bench import check_threads, threads_setting, use_threads
+from longkv.bench import check_threads, ratios_table, threads_setting, use_threads
 from longkv.bench.flops import Shape, Work, gemm_rate, kvm_work, window_work
 from longkv.bench.memory import keep_freed_heap, peak_memory
 from longkv.checks import require, require_at_least, setting
 from longkv.kvm import KVMConfig, kvm_attention
-from longkv.results import OUT_DIR, provenance, pyplot, save_figure, write_report
+from longkv.results import OUT_DIR, markdown_table, provenance, pyplot, save_figure, write_report
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # The floor's matmul rate is measured for a chunk of queries against the mean keys a query
@@ -357,7 +357,7 @@ def plot(r: BenchResult, path: Path) -> None:
 def markdown_body(r: BenchResult) -> list[str]:
     """The page below its provenance: settings, the measurements and the ratios."""
     p, s = r.provenance, r.settings
-    lines = [
+    return [
         f"- settings: B={s.batch} H={s.heads} D={s.head_dim} {s.dtype} on {s.device}, "
         f"C={s.chunk_len} N={s.window_chunks}, median of {s.repeats} prefills; decode: the "
         f"median over {s.repeats} runs of the mean of {s.n_decode} tokens; heap kept: "
@@ -366,14 +366,10 @@ def markdown_body(r: BenchResult) -> list[str]:
         "pairs, and KVM's token-slot similarities) at the rate this machine ran matmuls of "
         "the same shapes in this run (`longkv.bench.flops`)",
         "",
-        "| " + " | ".join(COLUMNS) + " |",
-        "|---|" + "---:|" * (len(COLUMNS) - 1),
-        *("| " + " | ".join(cells(x)) + " |" for x in r.measurements),
+        *markdown_table(COLUMNS, map(cells, r.measurements), "<" + ">" * (len(COLUMNS) - 1)),
+        "",
+        *ratios_table(r.ratios),
     ]
-    lines += ["", "| ratio (same run) | value | target |", "|---|---:|---|"]
-    for name, ratio in r.ratios.items():
-        lines.append(f"| {name} | {ratio['value']:.2f} | {ratio['target'] or ''} |")
-    return lines
 
 
 def save(r: BenchResult) -> list[Path]:

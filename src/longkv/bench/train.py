@@ -17,11 +17,11 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from longkv.bench import check_threads, threads_setting, use_threads
+from longkv.bench import check_threads, ratios_table, threads_setting, use_threads
 from longkv.bench.memory import keep_freed_heap
 from longkv.checks import require, require_at_least, setting
 from longkv.models import LongKVConfig, LongKVForCausalLM
-from longkv.results import OUT_DIR, provenance, write_report
+from longkv.results import OUT_DIR, markdown_table, provenance, write_report
 
 VARIANTS: dict[str, dict[str, Any]] = {  # LongKVConfig.tiny overrides
     "kvm_fixed": dict(  # the preset's KVM layer with a fixed budget of 64 slots (one chunk)
@@ -133,20 +133,17 @@ def run(s: TrainBenchSettings, argv: list[str] | None = None) -> dict[str, Any]:
 
 def save(report: dict[str, Any], s: TrainBenchSettings) -> list[Path]:
     """<out_dir>/<name>.json and .md."""
+    rows = [
+        [r["variant"], str(r["context"]), f"{r['seconds']:.2f}", f"{r['tokens_per_s']:.0f}"]
+        for r in report["rows"]
+    ]
     lines = [
         f"- model: LongKVConfig.tiny (4 layers, d=256, 4 heads), batch {s.batch}, fp32, "
         f"a step is forward, backward, AdamW; median of {s.repeats} rounds, each timing one step "
         "of every variant in turn, after a warm-up round",
         "",
-        "| variant | context | s/step | tokens/s |",
-        "|---|---:|---:|---:|",
-        *[
-            f"| {r['variant']} | {r['context']} | {r['seconds']:.2f} | {r['tokens_per_s']:.0f} |"
-            for r in report["rows"]
-        ],
+        *markdown_table(["variant", "context", "s/step", "tokens/s"], rows, "<>>>"),
         "",
-        "| ratio (same run) | value | target |",
-        "|---|---:|---|",
-        *[f"| {k} | {v['value']:.2f} | {v['target'] or ''} |" for k, v in report["ratios"].items()],
+        *ratios_table(report["ratios"]),
     ]
     return write_report(Path(s.out_dir) / s.name, "longkv bench train", report, lines)

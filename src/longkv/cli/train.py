@@ -47,10 +47,10 @@ from longkv.train.loop import (
 from longkv.train.report import (
     PROVENANCE,
     RUN_FILE,
-    markdown_table,
     plot_runs,
     read_metrics,
     record_provenance,
+    runs_table,
     score_run,
 )
 from longkv.train.tokenizer import load_tokenizer, train_bpe
@@ -335,7 +335,7 @@ def run_compare(args: argparse.Namespace, argv: list[str]) -> int:
         for label, _, cfg, out, _ in tqdm(runs, desc="score", unit="run")
     ]
     stem = Path(args.out_dir) / args.name
-    table = markdown_table(results)
+    table = runs_table(results)
     body = [
         "",
         f"Held-out loss: mean next-token loss over the same {results[0].held_out_tokens:,} "

@@ -9,23 +9,22 @@ import torch
 
 from longkv.evals.niah_records import NiahRun, accuracy, mean_scores
 from longkv.fold.methods import split_label
-from longkv.results import pyplot, save_figure
+from longkv.results import markdown_table, pyplot, save_figure
 
 
 def accuracy_table(run: NiahRun) -> str:
     """Markdown: rows task x method, columns lengths, cells string_match_all over depths."""
     s, acc = run.settings, accuracy(run.records)
-    lines = [
-        "| task | method | " + " | ".join(str(n) for n in s.lengths) + " | mean |",
-        "|---|---|" + "---:|" * (len(s.lengths) + 1),
-    ]
+    rows = []
     for task in s.tasks:
         for method in s.runs:
             cells = [acc.get(f"{task}/{method}/{n}") for n in s.lengths]
             known = [c for c in cells if c is not None]
             mean = f"{sum(known) / len(known):.1f}" if known else ""
             shown = ["" if c is None else f"{c:.1f}" for c in cells]
-            lines.append(f"| {task} | {method} | " + " | ".join(shown) + f" | {mean} |")
+            rows.append([task, method, *shown, mean])
+    header = ["task", "method", *map(str, s.lengths), "mean"]
+    lines = markdown_table(header, rows, "<<" + ">" * (len(s.lengths) + 1))
     return "\n".join(lines) + "\n"
 
 
