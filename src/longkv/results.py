@@ -140,3 +140,14 @@ def save_figure(fig: Any, path: Path, dpi: int = 110) -> None:
     with replaced_atomically(path) as tmp:
         fig.savefig(tmp, dpi=dpi, format="png")
     pyplot().close(fig)
+
+
+def finish_figure(
+    fig: Any, path: Path, title: str | None = None, title_size: float | str = "large"
+) -> None:
+    """Put the title above the panels ("large" is matplotlib's own size), lay the figure out
+    tight and save it (`save_figure`)."""
+    if title is not None:
+        fig.suptitle(title, fontsize=title_size)
+    fig.tight_layout()
+    save_figure(fig, path)

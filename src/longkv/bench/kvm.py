@@ -31,7 +31,7 @@ from longkv.bench.flops import Shape, Work, gemm_rate, kvm_work, window_work
 from longkv.bench.memory import keep_freed_heap, peak_memory
 from longkv.checks import require, require_at_least, setting
 from longkv.kvm import KVMConfig, kvm_attention
-from longkv.results import OUT_DIR, markdown_table, provenance, pyplot, save_figure, write_report
+from longkv.results import OUT_DIR, finish_figure, markdown_table, provenance, pyplot, write_report
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # The floor's matmul rate is measured for a chunk of queries against the mean keys a query
@@ -345,13 +345,11 @@ def plot(r: BenchResult, path: Path) -> None:
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend()
     s, p = r.settings, r.provenance
-    fig.suptitle(
+    title = (
         f"B={s.batch} H={s.heads} D={s.head_dim} {s.dtype} C={s.chunk_len} N={s.window_chunks} "
-        f"on {s.device} ({p['machine']['cpu_count']} CPUs) at {p['commit'][:12]}",
-        fontsize=10,
+        f"on {s.device} ({p['machine']['cpu_count']} CPUs) at {p['commit'][:12]}"
     )
-    fig.tight_layout()
-    save_figure(fig, path)
+    finish_figure(fig, path, title, title_size=10)
 
 
 def markdown_body(r: BenchResult) -> list[str]:

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from longkv.fold.fold import FoldResult, chunk_means, kv_fold
-from longkv.results import markdown_table, pyplot, save_figure
+from longkv.results import finish_figure, markdown_table, pyplot
 
 # the paper's drift has saturated by depth 7
 PLATEAU_FROM = 8
@@ -193,6 +193,4 @@ def plot_drift(results: list[DriftResult], path: Path, title: str) -> None:
         ax.set_xlabel("chunk depth t")
     for ax in axes[:, 0]:
         ax.set_ylabel("drift (nats)")
-    fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
-    save_figure(fig, path)
+    finish_figure(fig, path, title, title_size=11)

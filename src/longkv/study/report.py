@@ -14,7 +14,7 @@ from pathlib import Path
 from statistics import fmean
 from typing import Any
 
-from longkv.results import markdown_table, provenance, pyplot, save_figure, write_report
+from longkv.results import finish_figure, markdown_table, provenance, pyplot, write_report
 from longkv.study.config import TRAIN, StudyConfig
 from longkv.study.runner import StudyData, finished, run_dir
 from longkv.train.loop import METRICS_FILE
@@ -323,9 +323,7 @@ def plot_mqar(means: dict[str, Record], path: Path, title: str) -> None:
             ax.legend(fontsize=7)
         for col in range(len(lengths), len(kinds)):
             axes[2][col].axis("off")
-    fig.suptitle(title)
-    fig.tight_layout()
-    save_figure(fig, path)
+    finish_figure(fig, path, title)
 
 
 def plot_lm(means: dict[str, Record], train_len: int, path: Path, title: str) -> None:
@@ -345,8 +343,7 @@ def plot_lm(means: dict[str, Record], train_len: int, path: Path, title: str) ->
     ax.set_ylabel("held-out loss (nats)")
     ax.set_title(title)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    save_figure(fig, path)
+    finish_figure(fig, path)
 
 
 def write_study_report(

@@ -11,7 +11,7 @@ from typing import Any
 from torch import Tensor
 
 from longkv.models import LongKVForCausalLM
-from longkv.results import markdown_table, pyplot, save_figure, write_atomic
+from longkv.results import finish_figure, markdown_table, pyplot, write_atomic
 from longkv.train.loop import METRICS_FILE, evaluate
 
 PROVENANCE = "provenance.json"  # in a run's out_dir: a record per finished `longkv train`
@@ -131,6 +131,4 @@ def plot_runs(curves: dict[str, list[dict[str, float]]], path: Path, title: str)
     for ax in axes:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    save_figure(fig, path)
+    finish_figure(fig, path, title, title_size=10)
