@@ -18,8 +18,9 @@ from typing import Any
 import huggingface_hub
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
 
+from conftest import over_tokenizer, tiny_hf_config
 from longkv.bench.kvm import BenchSettings
 from longkv.bench.train import TrainBenchSettings
 from longkv.cli import fold as fold_cli
@@ -47,12 +48,7 @@ def saved(factory: pytest.TempPathFactory, name: str, config: Any, cls: Any) -> 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A folder with a 1-layer random Llama (512 positions) and the GPT-2 tokenizer."""
-    tokenizer = gpt2_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
+    config = tiny_hf_config(**over_tokenizer(gpt2_tokenizer()), max_position_embeddings=512)
     return saved(tmp_path_factory, "tiny", config, LlamaForCausalLM)
 
 
