@@ -1,4 +1,7 @@
-"""`longkv niah`: needle-in-a-haystack for full attention, KV-Fold and StreamingLLM."""
+"""`longkv niah`: the needle-in-a-haystack grid (`longkv.evals.niah_run`) answered by full
+attention, KV-Fold and the bounded caches (StreamingLLM, SnapKV, KVM-Fold), and its page: the
+accuracy table, whether the fold answered as full attention did, and the heatmap. The line that
+says which methods ran with which options (`methods_line`) serves `longkv bounded` too."""
 
 from __future__ import annotations
 
