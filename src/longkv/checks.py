@@ -8,7 +8,7 @@ field as "Owner.name", so the command line can name the option it came from inst
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 
@@ -39,6 +39,13 @@ def require(ok: bool, field: str, message: str) -> None:
     """Raise SettingError(field, message) unless ok; field reads like "KVMConfig.chunk_len"."""
     if not ok:
         raise SettingError(field, message)
+
+
+def require_known(field: str, values: Iterable[Any], allowed: Sequence[Any]) -> None:
+    """SettingError on field unless every value is one of allowed; the message names the
+    unknown values and the allowed ones, in allowed's order."""
+    unknown = sorted(set(values) - set(allowed))
+    require(not unknown, field, f"unknown {unknown}; choose from {list(allowed)}")
 
 
 def require_at_least(bound: float, owner: str, obj: object, *names: str) -> None:

@@ -29,7 +29,7 @@ from longkv.attention import block_sliding_window_attention, full_attention
 from longkv.bench import check_threads, ratios_table, threads_setting, use_threads
 from longkv.bench.flops import Shape, Work, gemm_rate, kvm_work, window_work
 from longkv.bench.memory import keep_freed_heap, peak_memory
-from longkv.checks import require, require_at_least, setting
+from longkv.checks import require, require_at_least, require_known, setting
 from longkv.kvm import KVMConfig, kvm_attention
 from longkv.results import OUT_DIR, finish_figure, markdown_table, provenance, pyplot, write_report
 
@@ -71,12 +71,7 @@ class BenchSettings:
     name: str = setting("bench_kvm", "file name stem of the results")
 
     def __post_init__(self) -> None:
-        unknown = sorted(set(self.methods) - set(METHODS))
-        require(
-            not unknown,
-            "BenchSettings.methods",
-            f"unknown {unknown}; choose from {sorted(METHODS)}",
-        )
+        require_known("BenchSettings.methods", self.methods, sorted(METHODS))
         require(
             self.dtype in DTYPES,
             "BenchSettings.dtype",

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from longkv.bench import check_threads, ratios_table, threads_setting, use_threads
 from longkv.bench.memory import keep_freed_heap
-from longkv.checks import require, require_at_least, setting
+from longkv.checks import require_at_least, require_known, setting
 from longkv.models import LongKVConfig, LongKVForCausalLM
 from longkv.results import OUT_DIR, markdown_table, provenance, write_report
 
@@ -59,10 +59,7 @@ class TrainBenchSettings:
     name: str = setting("bench_train", "file name stem of the results")
 
     def __post_init__(self) -> None:
-        unknown = sorted(set(self.variants) - set(VARIANTS))
-        require(
-            not unknown, "TrainBenchSettings.variants", f"unknown {unknown}; use {list(VARIANTS)}"
-        )
+        require_known("TrainBenchSettings.variants", self.variants, list(VARIANTS))
         require_at_least(
             1, "TrainBenchSettings", self, "contexts", "batch", "repeats", "vocab_size"
         )

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from longkv.checks import require, require_at_least, setting
+from longkv.checks import require, require_at_least, require_known, setting
 from longkv.evals.niah import TASKS
 from longkv.fold.methods import METHODS, BoundedOptions
 from longkv.fold.variants import VARIANT_HELP, VARIANTS, require_variants
@@ -37,16 +37,8 @@ class NiahSettings(BoundedOptions):
     max_new_tokens: int = setting(32, "greedy answer tokens at most")
 
     def __post_init__(self) -> None:
-        for name, values, allowed in (
-            ("tasks", self.tasks, TASKS),
-            ("methods", self.methods, METHODS),
-        ):
-            unknown = sorted(set(values) - set(allowed))
-            require(
-                not unknown,
-                f"NiahSettings.{name}",
-                f"unknown {unknown}; choose from {list(allowed)}",
-            )
+        require_known("NiahSettings.tasks", self.tasks, TASKS)
+        require_known("NiahSettings.methods", self.methods, METHODS)
         at_least_one = ("lengths", "samples", "chunk_size", "max_new_tokens")
         require_at_least(1, "NiahSettings", self, *at_least_one)
         require_variants("NiahSettings.variant", self.variant)
