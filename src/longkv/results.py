@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 OUT_DIR = "out"  # where the commands write results by default
+OUT_DIR_HELP = "folder for the result files; results/ holds the committed pages"
 
 
 def provenance(argv: list[str] | None) -> dict[str, Any]:

@@ -31,7 +31,15 @@ from longkv.bench.flops import Shape, Work, gemm_rate, kvm_work, window_work
 from longkv.bench.memory import keep_freed_heap, peak_memory
 from longkv.checks import require, require_at_least, require_known, setting
 from longkv.kvm import KVMConfig, kvm_attention
-from longkv.results import OUT_DIR, finish_figure, markdown_table, provenance, pyplot, write_report
+from longkv.results import (
+    OUT_DIR,
+    OUT_DIR_HELP,
+    finish_figure,
+    markdown_table,
+    provenance,
+    pyplot,
+    write_report,
+)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # The floor's matmul rate is measured for a chunk of queries against the mean keys a query
@@ -65,9 +73,7 @@ class BenchSettings:
         "keep freed memory in the process for reuse (glibc); without it glibc returns freed "
         "memory to the OS and timings include page faults (see memory.keep_freed_heap)",
     )
-    out_dir: str = setting(
-        OUT_DIR, "folder for the result files; results/ holds the committed pages"
-    )
+    out_dir: str = setting(OUT_DIR, OUT_DIR_HELP)
     name: str = setting("bench_kvm", "file name stem of the results")
 
     def __post_init__(self) -> None:

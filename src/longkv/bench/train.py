@@ -21,7 +21,7 @@ from longkv.bench import check_threads, ratios_table, threads_setting, use_threa
 from longkv.bench.memory import keep_freed_heap
 from longkv.checks import require_at_least, require_known, setting
 from longkv.models import LongKVConfig, LongKVForCausalLM
-from longkv.results import OUT_DIR, markdown_table, provenance, write_report
+from longkv.results import OUT_DIR, OUT_DIR_HELP, markdown_table, provenance, write_report
 
 VARIANTS: dict[str, dict[str, Any]] = {  # LongKVConfig.tiny overrides
     "kvm_fixed": dict(  # the preset's KVM layer with a fixed budget of 64 slots (one chunk)
@@ -53,9 +53,7 @@ class TrainBenchSettings:
     threads: int | None = threads_setting()
     vocab_size: int = setting(50257, "vocabulary of the random tokens and the model")
     seed: int = setting(0, "seed of the random tokens")
-    out_dir: str = setting(
-        OUT_DIR, "folder for the result files; results/ holds the committed pages"
-    )
+    out_dir: str = setting(OUT_DIR, OUT_DIR_HELP)
     name: str = setting("bench_train", "file name stem of the results")
 
     def __post_init__(self) -> None:

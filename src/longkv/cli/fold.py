@@ -33,7 +33,14 @@ from longkv.fold.variants import (
     variant_refusal,
 )
 from longkv.models.pretrained import DEFAULT_MODEL, load_pretrained
-from longkv.results import OUT_DIR, load_partial, provenance, save_partial, write_report
+from longkv.results import (
+    OUT_DIR,
+    OUT_DIR_HELP,
+    load_partial,
+    provenance,
+    save_partial,
+    write_report,
+)
 
 DTYPES = {
     "fp64": torch.float64,
@@ -61,9 +68,7 @@ class ModelOptions:
     corpus_dir: str | None = setting(
         None, "corpus folder (default: $LONGKV_CORPUS_DIR, else the texts shipped with longkv)"
     )
-    out_dir: str = setting(
-        OUT_DIR, "folder for the result files; results/ holds the committed pages"
-    )
+    out_dir: str = setting(OUT_DIR, OUT_DIR_HELP)
     allow_extrapolation: bool = setting(
         False,
         "run a RoPE model past its max_position_embeddings, at positions it was never trained "

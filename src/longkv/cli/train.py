@@ -22,7 +22,7 @@ from longkv.cli.args import HelpFormatter, require_known_keys, settings_from_sec
 from longkv.data.corpus import read_document
 from longkv.models import LongKVConfig, LongKVForCausalLM
 from longkv.models.pretrained import load_model, resolve_model
-from longkv.results import OUT_DIR, provenance, write_atomic, write_report
+from longkv.results import OUT_DIR, OUT_DIR_HELP, provenance, write_atomic, write_report
 from longkv.train.data import (
     DataConfig,
     document_files,
@@ -164,11 +164,7 @@ def _generate_parser(p: argparse.ArgumentParser) -> None:
 def _compare_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--configs", nargs="+", required=True, help="YAML runs; the first is the base")
     p.add_argument("--batches", type=int, default=64, help="held-out batches (capped at all)")
-    p.add_argument(
-        "--out-dir",
-        default=OUT_DIR,
-        help="folder for the result files; results/ holds the committed pages",
-    )
+    p.add_argument("--out-dir", default=OUT_DIR, help=OUT_DIR_HELP)
     p.add_argument("--name", default="compare_runs", help="file name stem of the results")
     p.set_defaults(func=run_compare)
 
