@@ -1,6 +1,6 @@
-"""Shared helpers for the tests: random attention inputs and tiny longkv models in float64, and
-what the tests need beyond the data shipped with longkv (the full corpus, the default model),
-skipped when absent.
+"""Shared helpers for the tests: random attention inputs, tiny longkv models in float64, tiny
+random Llama and Qwen2 models, and what the tests need beyond the data shipped with longkv (the
+full corpus, the default model), skipped when absent.
 
 The full public-domain corpus is looked for in `shared/data/corpus` beside the checkout, or under
 $LONGKV_TEST_SHARED when it is set (`LONGKV_TEST_SHARED=/nonexistent` runs the suite as a
@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 from torch import Tensor
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from longkv.kvm import KVMState
 from longkv.models import LongKVConfig, LongKVForCausalLM
@@ -140,6 +141,37 @@ def tiny_longkv(
             if any(part in name for part in ("norm", "temp", "shift", "value_mix")):
                 p.add_(0.2 * torch.randn_like(p))
     return model
+
+
+# a tiny Hugging Face decoder: 2 layers, d 32, 4 query heads over 2 KV heads
+TINY_HF = dict(
+    vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+)  # fmt: skip
+HF_ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+
+
+def tiny_hf_config(arch: str = "llama", **overrides: Any) -> LlamaConfig | Qwen2Config:
+    """A Llama or Qwen2 config of TINY_HF's shape, with overrides."""
+    return HF_ARCHS[arch][0](**{**TINY_HF, **overrides})
+
+
+def tiny_hf(
+    arch: str = "llama", dtype: torch.dtype = torch.float32, **overrides: Any
+) -> LlamaForCausalLM | Qwen2ForCausalLM:
+    """A random Llama or Qwen2 (seed 0) of `tiny_hf_config(arch, **overrides)`, in eval mode."""
+    torch.manual_seed(0)
+    return HF_ARCHS[arch][1](tiny_hf_config(arch, **overrides)).to(dtype).eval()
+
+
+def over_tokenizer(tokenizer: Any) -> dict[str, Any]:
+    """The overrides of TINY_HF for a model saved with a tokenizer, as the commands load one:
+    one layer of d 16 (2 query heads over 1 KV head), the tokenizer's vocabulary, BOS and EOS."""
+    return dict(
+        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
 
 
 def unmapped(model: LongKVForCausalLM) -> LongKVForCausalLM:

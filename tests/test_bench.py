@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
+from conftest import tiny_hf
 from longkv.bench.compare import compare_methods
 from longkv.bench.kvm import METHODS, BenchSettings
 from longkv.bench.memory import cpu_peak_supported, peak_memory
@@ -89,11 +90,9 @@ def test_peak_memory_sees_a_temporary_allocation() -> None:
 @pytest.mark.skipif(not cpu_peak_supported(), reason="needs Linux /proc/self/clear_refs")
 def test_compared_peaks_exclude_weights_mapped_lazily(tmp_path: Path) -> None:
     """A freshly loaded model's weights are paged in on first use: not the forward's memory."""
-    config = LlamaConfig(
-        vocab_size=50_000, hidden_size=256, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-    )  # fmt: skip
-    LlamaForCausalLM(config).save_pretrained(tmp_path)  # lm_head alone: 51 MB
+    tiny_hf(
+        vocab_size=50_000, hidden_size=256, num_hidden_layers=1, tie_word_embeddings=False
+    ).save_pretrained(tmp_path)  # lm_head alone: 51 MB
     model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     ids = torch.randint(0, 50_000, (1, 6))
     report = compare_methods(model, ids, 3, methods=("full", "fold"))

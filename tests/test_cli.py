@@ -18,8 +18,9 @@ from typing import Any
 import huggingface_hub
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
 
+from conftest import over_tokenizer, tiny_hf_config
 from longkv.bench.kvm import BenchSettings
 from longkv.bench.train import TrainBenchSettings
 from longkv.cli import common
@@ -28,8 +29,8 @@ from longkv.cli import niah as niah_cli
 from longkv.cli.args import build_settings
 from longkv.cli.bounded import FATES, fate_rows
 from longkv.cli.main import COMMANDS, build_parser, main
-from longkv.evals import runner
-from longkv.evals.runner import NiahRecord, NiahSettings
+from longkv.evals import niah_run
+from longkv.evals.niah_records import NiahRecord, NiahSettings
 from longkv.fold import drift_grid
 from longkv.results import OUT_DIR, save_partial
 from longkv.train.tokenizer import gpt2_tokenizer
@@ -49,12 +50,7 @@ def saved(factory: pytest.TempPathFactory, name: str, config: Any, cls: Any) -> 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A folder with a 1-layer random Llama (512 positions) and the GPT-2 tokenizer."""
-    tokenizer = gpt2_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
+    config = tiny_hf_config(**over_tokenizer(gpt2_tokenizer()), max_position_embeddings=512)
     return saved(tmp_path_factory, "tiny", config, LlamaForCausalLM)
 
 
@@ -71,15 +67,15 @@ def tiny_gpt2(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture
 def answers(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The methods runner.answer was called with, in order (the calls still run)."""
+    """The methods niah_run.answer was called with, in order (the calls still run)."""
     calls: list[str] = []
-    answer = runner.answer
+    answer = niah_run.answer
 
     def counted(model, ids, method, s, eos, *rest):  # type: ignore[no-untyped-def]
         calls.append(method)
         return answer(model, ids, method, s, eos, *rest)
 
-    monkeypatch.setattr(runner, "answer", counted)
+    monkeypatch.setattr(niah_run, "answer", counted)
     return calls
 
 

@@ -7,10 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import tiny_longkv
+from conftest import over_tokenizer, tiny_hf, tiny_hf_config, tiny_longkv
 from longkv.cli.main import main
 from longkv.train.tokenizer import gpt2_tokenizer
 
@@ -68,14 +66,7 @@ def test_fold_runs_a_saved_longkv_model(longkv_dir: Path, tmp_path: Path) -> Non
 def test_generate_runs_any_causal_lm_as_what_it_is(
     tok: Any, longkv_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    torch.manual_seed(0)
-    llama = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
-            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-        )
-    ).eval()  # fmt: skip
+    llama = tiny_hf(**over_tokenizer(tok), max_position_embeddings=128)
     llama.save_pretrained(tmp_path / "llama")
     tok.save_pretrained(tmp_path / "llama")
     prompt = "The cat sat on"
@@ -102,8 +93,7 @@ def test_generate_refuses_what_is_not_a_causal_lm_in_one_line(
     (tmp_path / "empty").mkdir()
     (tmp_path / "unknown").mkdir()
     (tmp_path / "unknown" / "config.json").write_text('{"model_type": "nope"}')
-    config = LlamaConfig(vocab_size=10, hidden_size=8, num_hidden_layers=1, num_attention_heads=2)
-    config.save_pretrained(tmp_path / "no-weights")
+    tiny_hf_config().save_pretrained(tmp_path / "no-weights")
     path = folder if folder.startswith("/") else str(tmp_path / folder)
     assert main(["generate", "--model", path, "--prompt", "x"]) == 2
     captured = capsys.readouterr()

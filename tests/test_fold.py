@@ -13,34 +13,27 @@ from transformers import (
     Gemma3TextConfig,
     GPT2Config,
     GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
     PreTrainedModel,
-    Qwen2Config,
-    Qwen2ForCausalLM,
 )
 
+from conftest import HF_ARCHS, TINY_HF, tiny_hf
 from longkv.fold import fold_generate, kv_fold
 
-V, T = 97, 100
-SHAPE = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
-HEADS = dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+V, T = TINY_HF["vocab_size"], 100
 
 
 def tiny(arch: str) -> PreTrainedModel:
     """A randomly initialised float32 model of the given family (no download)."""
+    if arch in HF_ARCHS:
+        return tiny_hf(arch)
     torch.manual_seed(0)
-    if arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**SHAPE, **HEADS))
-    elif arch == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**SHAPE, **HEADS))
-    elif arch == "mistral":  # a sliding window shorter than the input
-        model = MistralForCausalLM(MistralConfig(**SHAPE, **HEADS, sliding_window=24))
+    if arch == "mistral":  # a sliding window shorter than the input
+        model = MistralForCausalLM(MistralConfig(**TINY_HF, sliding_window=24))
     elif arch == "gemma3":  # sliding-window layers beside global ones
         config = Gemma3TextConfig(
-            **SHAPE, **HEADS, head_dim=8, sliding_window=16,
+            **TINY_HF, head_dim=8, sliding_window=16,
             layer_types=["sliding_attention", "full_attention"],
         )  # fmt: skip
         model = Gemma3ForCausalLM(config)

@@ -4,24 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache, LlamaForCausalLM
 
+from conftest import TINY_HF, tiny_hf
 from longkv.fold import FoldRunner, fold_generate, kv_fold
 from longkv.fold.attention import visible_keys
 from longkv.fold.compat import CACHE_ARG
 from longkv.fold.drift import DriftResult, depth_bins, plateau_table
 from longkv.models import LongKVConfig, LongKVForCausalLM
 
-V, T = 97, 60
-CONFIG = dict(
-    vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-)  # fmt: skip
-
-
-def tiny() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(**CONFIG)).to(torch.float64).eval()
+V, T = TINY_HF["vocab_size"], 60
 
 
 IDS = torch.randint(2, V, (2, T), generator=torch.Generator().manual_seed(3))
@@ -29,7 +21,7 @@ IDS = torch.randint(2, V, (2, T), generator=torch.Generator().manual_seed(3))
 
 def folded(variant: str, chunk: int, model: LlamaForCausalLM | None = None) -> torch.Tensor:
     """(B, T, V) logits of a fold of IDS under the variant."""
-    model = tiny() if model is None else model
+    model = tiny_hf(dtype=torch.float64) if model is None else model
     logits = kv_fold(model, IDS, chunk, variant=variant, return_logits=True).logits
     assert logits is not None
     return logits
@@ -63,13 +55,13 @@ def by_hand(
 
 @pytest.mark.parametrize("chunk", [1, 7, 16, T])
 def test_the_exact_fold_still_equals_one_forward(chunk: int) -> None:
-    model = tiny()
+    model = tiny_hf(dtype=torch.float64)
     assert (folded("exact", chunk, model) - folded("exact", T, model)).abs().max() <= 1e-10
 
 
 @pytest.mark.parametrize("chunk", [7, 16])
 def test_restart_equals_positions_from_zero_in_every_chunk(chunk: int) -> None:
-    model = tiny()
+    model = tiny_hf(dtype=torch.float64)
     got = folded("restart", chunk, model)
     # one forward over the whole input (a cache, so no packed-sequence mask) with the positions
     # restarting every chunk
@@ -82,7 +74,7 @@ def test_restart_equals_positions_from_zero_in_every_chunk(chunk: int) -> None:
                                                ("chunk-excluded", "past-and-self")])  # fmt: skip
 @pytest.mark.parametrize("chunk", [1, 7, 16])
 def test_attention_variants_equal_their_explicit_masks(variant: str, mask: str, chunk: int) -> None:
-    model = tiny()
+    model = tiny_hf(dtype=torch.float64)
     got = folded(variant, chunk, model)
     assert (got - by_hand(model, chunk, mask=mask)).abs().max() <= 1e-10
     exact = folded("exact", chunk, model)
@@ -115,7 +107,7 @@ class RoundingLayer:
 
 @pytest.mark.parametrize("chunk", [1, 16])
 def test_bf16_cache_equals_a_cache_that_stores_bfloat16(chunk: int) -> None:
-    model = tiny()
+    model = tiny_hf(dtype=torch.float64)
     cache = DynamicCache(config=model.config)
     for layer in cache.layers:
         layer.update = RoundingLayer(layer.update)
@@ -125,21 +117,21 @@ def test_bf16_cache_equals_a_cache_that_stores_bfloat16(chunk: int) -> None:
 
 
 def test_float32_softmax_changes_only_the_kernel() -> None:
-    model = tiny()  # float64: the same math as the model's kernel
+    model = tiny_hf(dtype=torch.float64)  # float64: the same math as the model's kernel
     assert (folded("float32-softmax", 16, model) - folded("exact", 16, model)).abs().max() <= 1e-10
     model = model.to(torch.bfloat16)  # the softmax now runs wider than the model's kernel
     assert (folded("float32-softmax", 16, model) - folded("exact", 16, model)).abs().max() > 1e-3
 
 
 def test_bos_variant_inserts_the_models_bos() -> None:
-    model = tiny()
+    model = tiny_hf(dtype=torch.float64)
     got = kv_fold(model, IDS, 16, variant="bos").nll
     ref = kv_fold(model, IDS, 16, prefix_ids=torch.tensor([model.config.bos_token_id])).nll
     assert torch.equal(got, ref)
 
 
 def test_restart_decodes_at_positions_mod_the_chunk() -> None:
-    model = tiny()
+    model = tiny_hf(dtype=torch.float64)
     ids = IDS[:1, :44]
     with torch.no_grad():  # one forward over prompt and answer, positions mod 16
         ref = model(
@@ -155,7 +147,7 @@ def test_restart_decodes_at_positions_mod_the_chunk() -> None:
 
 
 def test_bad_variants_are_refused() -> None:
-    model = tiny()
+    model = tiny_hf(dtype=torch.float64)
     with pytest.raises(ValueError, match="variant: 'sideways' is not one of"):
         kv_fold(model, IDS, 16, variant="sideways")
     with pytest.raises(ValueError, match="prefix_ids: a per-chunk prefix is itself a variant"):

@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from conftest import TINY_HF, tiny_hf
 from longkv.attention.rope import angles_at, rotate
 from longkv.checks import SettingError
 from longkv.fold import kv_fold
@@ -19,18 +19,7 @@ from longkv.fold.kvm_state import DROPPED, FoldState, empty_state, read_slots, u
 from longkv.fold.methods import run_bounded
 from longkv.fold.naive import update_state_naive
 
-V, T = 97, 100
-SHAPE = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
-HEADS = dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-
-
-def tiny(arch: str, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM | Qwen2ForCausalLM:
-    torch.manual_seed(0)
-    if arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**SHAPE, **HEADS))
-    else:
-        model = Qwen2ForCausalLM(Qwen2Config(**SHAPE, **HEADS))
-    return model.to(dtype).eval()
+V, T = TINY_HF["vocab_size"], 100
 
 
 def ids_of(T: int = T, seed: int = 1) -> torch.Tensor:
@@ -132,7 +121,7 @@ def test_the_most_novel_tokens_found_slots_and_the_rest_merge() -> None:
 def test_a_budget_of_the_whole_input_equals_the_exact_fold(
     arch: str, chunk: int, config: KVMFoldConfig | SnapKVConfig
 ) -> None:
-    model, ids = tiny(arch), ids_of()
+    model, ids = tiny_hf(arch), ids_of()
     exact = kv_fold(model, ids, T, return_logits=True)
     runner = (KVMFoldRunner if isinstance(config, KVMFoldConfig) else SnapKVRunner)(
         model,
@@ -150,7 +139,7 @@ def test_entries_never_exceed_the_budget_and_slots_follow_the_state_budget(
     chunk: int, state: str
 ) -> None:
     config = KVMFoldConfig(budget=40, sinks=3, window=16, state=state, growth_factor=1.5)
-    runner = KVMFoldRunner(tiny("llama"), config)
+    runner = KVMFoldRunner(tiny_hf("llama"), config)
     ids, slots = ids_of(T), 0
     with torch.inference_mode():
         for t in range(0, T, chunk):
@@ -169,7 +158,7 @@ def test_entries_never_exceed_the_budget_and_slots_follow_the_state_budget(
 def test_a_one_token_slot_is_that_token_rotated_at_its_cache_index() -> None:
     """With merges refused (threshold 1), slots are single tokens: each reads back as the
     token's key rotated at the slot's cache index, not at its input position."""
-    model = tiny("llama", torch.float64)
+    model = tiny_hf("llama", torch.float64)
     config = KVMFoldConfig(
         budget=40, sinks=2, window=8, state="sqrt", growth_factor=2.0, merge_threshold=1.0
     )
@@ -204,7 +193,7 @@ def test_a_one_token_slot_is_that_token_rotated_at_its_cache_index() -> None:
 
 
 def test_undoing_and_redoing_the_rotation_returns_the_key() -> None:
-    runner = KVMFoldRunner(tiny("llama"), KVMFoldConfig(budget=64))
+    runner = KVMFoldRunner(tiny_hf("llama"), KVMFoldConfig(budget=64))
     key = torch.randn(2, 2, 5, 8, dtype=torch.float64)
     positions = torch.tensor([0, 3, 17, 64, 1000])
     there = rotate(key, *angles_at(positions, runner.inv_freq))
@@ -245,7 +234,7 @@ def test_the_log_count_bias_weighs_a_slot_like_its_tokens() -> None:
 
 
 def test_hooked_attention_restores_the_model() -> None:
-    model = tiny("llama")
+    model = tiny_hf("llama")
     before = model.config._attn_implementation
     with pytest.raises(RuntimeError, match="boom"), hooked(model, AttentionHooks()):
         raise RuntimeError("boom")
@@ -263,7 +252,7 @@ def test_keep_best_keeps_the_highest_scores_in_time_order() -> None:
 
 
 def test_snapkv_evicts_the_lowest_scored_of_the_leaving_and_kept_entries() -> None:
-    model = tiny("llama")
+    model = tiny_hf("llama")
     config = SnapKVConfig(budget=14, sinks=1, window=8, pool=1)
     runner = SnapKVRunner(model, config)
     with torch.inference_mode():
@@ -284,7 +273,7 @@ def test_snapkv_evicts_the_lowest_scored_of_the_leaving_and_kept_entries() -> No
 
 
 def test_bounded_caches_generate_within_their_budget() -> None:
-    model = tiny("qwen2")
+    model = tiny_hf("qwen2")
     ids = ids_of(80)
     for config, runner_class in (
         (SnapKVConfig(budget=24, window=8), SnapKVRunner),
@@ -309,16 +298,16 @@ def test_bad_configs_are_refused() -> None:
     with pytest.raises(SettingError, match="pool"):
         SnapKVConfig(pool=4)
     with pytest.raises(ValueError, match="budget of 300 cache positions exceeds"):
-        KVMFoldRunner(tiny("llama"), KVMFoldConfig(budget=300))
+        KVMFoldRunner(tiny_hf("llama"), KVMFoldConfig(budget=300))
     with pytest.raises(ValueError, match="chunk_size: 60 exceeds the window 50"):
-        run_bounded(tiny("llama"), ids_of(), KVMFoldConfig(budget=100), 60)
+        run_bounded(tiny_hf("llama"), ids_of(), KVMFoldConfig(budget=100), 60)
 
 
 def test_fates_say_which_tokens_founded_slots_and_which_were_dropped() -> None:
     config = KVMFoldConfig(
         budget=40, sinks=2, window=8, state="sqrt", growth_factor=2.0, merge_threshold=1.0
     )
-    runner = KVMFoldRunner(tiny("llama"), config, track=True)
+    runner = KVMFoldRunner(tiny_hf("llama"), config, track=True)
     bounded_fold(runner, ids_of(60), 4)
     assert runner.fates(0, 2)["exact"] == 1.0  # the sinks
     assert runner.fates(52, 60)["exact"] == 1.0  # the window
@@ -332,4 +321,4 @@ def test_fates_say_which_tokens_founded_slots_and_which_were_dropped() -> None:
     assert fate["exact"] == 0 and fate["dropped"] == pytest.approx(1 - (founders + joined) / total)
     assert fate["dropped"] > 0.5
     with pytest.raises(ValueError, match="track=True"):
-        KVMFoldRunner(tiny("llama"), config).fates(0, 1)
+        KVMFoldRunner(tiny_hf("llama"), config).fates(0, 1)

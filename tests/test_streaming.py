@@ -6,20 +6,19 @@ import math
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
+from conftest import tiny_hf
 from longkv.fold.streaming import StreamingRunner, streaming_generate, streaming_llm
 
 V = 61
 
 
 def tiny_llama() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
-    return LlamaForCausalLM(config).double().eval()
+    """The tiny Llama in float64, over V tokens, with a narrower MLP and 64 positions."""
+    return tiny_hf(
+        dtype=torch.float64, vocab_size=V, intermediate_size=48, max_position_embeddings=64
+    )
 
 
 def naive_streaming(

@@ -56,6 +56,13 @@ def require(ok: bool, field: str, message: str) -> None:
         raise SettingError(field, message)
 
 
+def require_known(field: str, values: Iterable[Any], allowed: Sequence[Any]) -> None:
+    """SettingError on field unless every value is one of allowed; the message names the
+    unknown values and the allowed ones, in allowed's order."""
+    unknown = sorted(set(values) - set(allowed))
+    require(not unknown, field, f"unknown {unknown}; choose from {list(allowed)}")
+
+
 def require_at_least(bound: float, owner: str, obj: object, *names: str) -> None:
     """Each named attribute of obj (a number, or a tuple of them) must be >= bound; the error
     names it as f"{owner}.{name}"."""

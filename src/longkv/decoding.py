@@ -1,4 +1,6 @@
-"""The token-by-token decoding loop shared by KV-Fold and StreamingLLM."""
+"""Greedy decoding one token at a time from whatever a step function carries: the loop under
+`longkv.fold.greedy_decode`, which KV-Fold and every bounded cache (StreamingLLM, SnapKV,
+KVM-Fold) generate with."""
 
 from __future__ import annotations
 

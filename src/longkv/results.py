@@ -15,7 +15,7 @@ import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 OUT_DIR = "out"  # where the commands write results by default
+OUT_DIR_HELP = "folder for the result files; results/ holds the committed pages"
 
 
 def provenance(argv: list[str] | None) -> dict[str, Any]:
@@ -110,6 +111,21 @@ def write_report(stem: Path, title: str, payload: dict[str, Any], body: list[str
     return paths
 
 
+def markdown_table(
+    header: Sequence[str], rows: Iterable[Sequence[str]], align: str | None = None
+) -> list[str]:
+    """The lines of a markdown table: the header, the alignment row, then one line per row.
+
+    align: one character per column, "<" left or ">" right; every column left when None."""
+    marks = {"<": "---|", ">": "---:|"}
+    columns = zip(header, "<" * len(header) if align is None else align, strict=True)
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + "".join(marks[a] for _, a in columns),
+        *("| " + " | ".join(row) + " |" for row in rows),
+    ]
+
+
 def pyplot() -> Any:
     """matplotlib.pyplot on the Agg backend (no display needed)."""
     import matplotlib
@@ -125,3 +141,14 @@ def save_figure(fig: Any, path: Path, dpi: int = 110) -> None:
     with replaced_atomically(path) as tmp:
         fig.savefig(tmp, dpi=dpi, format="png")
     pyplot().close(fig)
+
+
+def finish_figure(
+    fig: Any, path: Path, title: str | None = None, title_size: float | str = "large"
+) -> None:
+    """Put the title above the panels ("large" is matplotlib's own size), lay the figure out
+    tight and save it (`save_figure`)."""
+    if title is not None:
+        fig.suptitle(title, fontsize=title_size)
+    fig.tight_layout()
+    save_figure(fig, path)

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from longkv.checks import require, setting
+from longkv.results import markdown_table
 
 THREADS_HELP = "torch threads (torch.set_num_threads); default: as torch starts"
 
@@ -25,3 +26,9 @@ def use_threads(threads: int | None) -> None:
     """Run torch on `threads` threads (None: leave torch's count)."""
     if threads is not None:
         torch.set_num_threads(threads)
+
+
+def ratios_table(ratios: dict[str, dict[str, Any]]) -> list[str]:
+    """Markdown: each ratio of one run, its value and the target it is read against."""
+    rows = [[name, f"{r['value']:.2f}", r["target"] or ""] for name, r in ratios.items()]
+    return markdown_table(["ratio (same run)", "value", "target"], rows, "<><")

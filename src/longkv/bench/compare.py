@@ -21,6 +21,7 @@ from longkv.bench.memory import keep_freed_heap, load_weights, peak_memory
 from longkv.fold.bounded import BoundedConfig
 from longkv.fold.fold import FoldResult, kv_fold
 from longkv.fold.methods import run_bounded
+from longkv.results import markdown_table
 
 # enough tokens for every bounded cache of the default budgets to append, merge and evict
 WARM_UP_TOKENS = 2048
@@ -128,18 +129,30 @@ def compare_methods(
 
 def markdown_rows(report: dict[str, Any]) -> list[str]:
     """Markdown tables of a `compare_methods` report."""
-    lines = [
-        "| method | chunk | seconds | peak MiB | mean NLL | NLL gap vs full | "
-        "max abs NLL diff vs full |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+    header = [
+        "method",
+        "chunk",
+        "seconds",
+        "peak MiB",
+        "mean NLL",
+        "NLL gap vs full",
+        "max abs NLL diff vs full",
     ]
-    for r in report["runs"]:
-        peak = "n/a" if r["peak_memory_bytes"] is None else f"{r['peak_memory_bytes'] / 2**20:.0f}"
-        lines.append(
-            f"| {r['method']} | {r['chunk_size']} | {r['seconds']:.2f} | {peak} | "
-            f"{r['mean_nll']:.4f} | {r['nll_gap_vs_full']:+.4f} | "
-            f"{r['max_abs_nll_diff_vs_full']:.2e} |"
-        )
-    lines += ["", "| ratio (same run) | value |", "|---|---:|"]
-    lines += [f"| {name} | {value:.3f} |" for name, value in report["ratios"].items()]
-    return lines
+    rows = [
+        [
+            r["method"],
+            str(r["chunk_size"]),
+            f"{r['seconds']:.2f}",
+            "n/a" if r["peak_memory_bytes"] is None else f"{r['peak_memory_bytes'] / 2**20:.0f}",
+            f"{r['mean_nll']:.4f}",
+            f"{r['nll_gap_vs_full']:+.4f}",
+            f"{r['max_abs_nll_diff_vs_full']:.2e}",
+        ]
+        for r in report["runs"]
+    ]
+    ratios = [[name, f"{value:.3f}"] for name, value in report["ratios"].items()]
+    return [
+        *markdown_table(header, rows, "<" + ">" * 6),
+        "",
+        *markdown_table(["ratio (same run)", "value"], ratios, "<>"),
+    ]

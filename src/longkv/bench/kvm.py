@@ -26,13 +26,21 @@ from torch import Tensor
 from tqdm import tqdm
 
 from longkv.attention import block_sliding_window_attention, full_attention
-from longkv.bench import check_threads, threads_setting, use_threads
+from longkv.bench import check_threads, ratios_table, threads_setting, use_threads
 from longkv.bench.flops import Shape, Work, gemm_rate, kvm_work, window_work
 from longkv.bench.memory import keep_freed_heap, peak_memory
-from longkv.checks import require, require_at_least, setting
+from longkv.checks import require, require_at_least, require_known, setting
 from longkv.dtypes import DTYPES
 from longkv.kvm import KVMConfig, kvm_attention
-from longkv.results import OUT_DIR, provenance, pyplot, save_figure, write_report
+from longkv.results import (
+    OUT_DIR,
+    OUT_DIR_HELP,
+    finish_figure,
+    markdown_table,
+    provenance,
+    pyplot,
+    write_report,
+)
 
 # The floor's matmul rate is measured for a chunk of queries against the mean keys a query
 # sees, at most this many: torch's fused attention kernel computes in blocks of <= 512 keys.
@@ -65,18 +73,11 @@ class BenchSettings:
         "keep freed memory in the process for reuse (glibc); without it glibc returns freed "
         "memory to the OS and timings include page faults (see memory.keep_freed_heap)",
     )
-    out_dir: str = setting(
-        OUT_DIR, "folder for the result files; results/ holds the committed pages"
-    )
+    out_dir: str = setting(OUT_DIR, OUT_DIR_HELP)
     name: str = setting("bench_kvm", "file name stem of the results")
 
     def __post_init__(self) -> None:
-        unknown = sorted(set(self.methods) - set(METHODS))
-        require(
-            not unknown,
-            "BenchSettings.methods",
-            f"unknown {unknown}; choose from {sorted(METHODS)}",
-        )
+        require_known("BenchSettings.methods", self.methods, sorted(METHODS))
         require(
             self.dtype in DTYPES,
             "BenchSettings.dtype",
@@ -345,19 +346,17 @@ def plot(r: BenchResult, path: Path) -> None:
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend()
     s, p = r.settings, r.provenance
-    fig.suptitle(
+    title = (
         f"B={s.batch} H={s.heads} D={s.head_dim} {s.dtype} C={s.chunk_len} N={s.window_chunks} "
-        f"on {s.device} ({p['machine']['cpu_count']} CPUs) at {p['commit'][:12]}",
-        fontsize=10,
+        f"on {s.device} ({p['machine']['cpu_count']} CPUs) at {p['commit'][:12]}"
     )
-    fig.tight_layout()
-    save_figure(fig, path)
+    finish_figure(fig, path, title, title_size=10)
 
 
 def markdown_body(r: BenchResult) -> list[str]:
     """The page below its provenance: settings, the measurements and the ratios."""
     p, s = r.provenance, r.settings
-    lines = [
+    return [
         f"- settings: B={s.batch} H={s.heads} D={s.head_dim} {s.dtype} on {s.device}, "
         f"C={s.chunk_len} N={s.window_chunks}, median of {s.repeats} prefills; decode: the "
         f"median over {s.repeats} runs of the mean of {s.n_decode} tokens; heap kept: "
@@ -366,14 +365,10 @@ def markdown_body(r: BenchResult) -> list[str]:
         "pairs, and KVM's token-slot similarities) at the rate this machine ran matmuls of "
         "the same shapes in this run (`longkv.bench.flops`)",
         "",
-        "| " + " | ".join(COLUMNS) + " |",
-        "|---|" + "---:|" * (len(COLUMNS) - 1),
-        *("| " + " | ".join(cells(x)) + " |" for x in r.measurements),
+        *markdown_table(COLUMNS, map(cells, r.measurements), "<" + ">" * (len(COLUMNS) - 1)),
+        "",
+        *ratios_table(r.ratios),
     ]
-    lines += ["", "| ratio (same run) | value | target |", "|---|---:|---|"]
-    for name, ratio in r.ratios.items():
-        lines.append(f"| {name} | {ratio['value']:.2f} | {ratio['target'] or ''} |")
-    return lines
 
 
 def save(r: BenchResult) -> list[Path]:

@@ -17,11 +17,11 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from longkv.bench import check_threads, threads_setting, use_threads
+from longkv.bench import check_threads, ratios_table, threads_setting, use_threads
 from longkv.bench.memory import keep_freed_heap
-from longkv.checks import require, require_at_least, setting
+from longkv.checks import require_at_least, require_known, setting
 from longkv.models import LongKVConfig, LongKVForCausalLM
-from longkv.results import OUT_DIR, provenance, write_report
+from longkv.results import OUT_DIR, OUT_DIR_HELP, markdown_table, provenance, write_report
 from longkv.train.run import preset_model
 
 VARIANTS: dict[str, dict[str, Any]] = {  # LongKVConfig.tiny overrides (kvm merges into its kvm)
@@ -48,16 +48,11 @@ class TrainBenchSettings:
     threads: int | None = threads_setting()
     vocab_size: int = setting(50257, "vocabulary of the random tokens and the model")
     seed: int = setting(0, "seed of the random tokens")
-    out_dir: str = setting(
-        OUT_DIR, "folder for the result files; results/ holds the committed pages"
-    )
+    out_dir: str = setting(OUT_DIR, OUT_DIR_HELP)
     name: str = setting("bench_train", "file name stem of the results")
 
     def __post_init__(self) -> None:
-        unknown = sorted(set(self.variants) - set(VARIANTS))
-        require(
-            not unknown, "TrainBenchSettings.variants", f"unknown {unknown}; use {list(VARIANTS)}"
-        )
+        require_known("TrainBenchSettings.variants", self.variants, list(VARIANTS))
         require_at_least(
             1, "TrainBenchSettings", self, "contexts", "batch", "repeats", "vocab_size"
         )
@@ -134,20 +129,17 @@ def run(s: TrainBenchSettings, argv: list[str] | None = None) -> dict[str, Any]:
 
 def save(report: dict[str, Any], s: TrainBenchSettings) -> list[Path]:
     """<out_dir>/<name>.json and .md."""
+    rows = [
+        [r["variant"], str(r["context"]), f"{r['seconds']:.2f}", f"{r['tokens_per_s']:.0f}"]
+        for r in report["rows"]
+    ]
     lines = [
         f"- model: LongKVConfig.tiny (4 layers, d=256, 4 heads), batch {s.batch}, fp32, "
         f"a step is forward, backward, AdamW; median of {s.repeats} rounds, each timing one step "
         "of every variant in turn, after a warm-up round",
         "",
-        "| variant | context | s/step | tokens/s |",
-        "|---|---:|---:|---:|",
-        *[
-            f"| {r['variant']} | {r['context']} | {r['seconds']:.2f} | {r['tokens_per_s']:.0f} |"
-            for r in report["rows"]
-        ],
+        *markdown_table(["variant", "context", "s/step", "tokens/s"], rows, "<>>>"),
         "",
-        "| ratio (same run) | value | target |",
-        "|---|---:|---|",
-        *[f"| {k} | {v['value']:.2f} | {v['target'] or ''} |" for k, v in report["ratios"].items()],
+        *ratios_table(report["ratios"]),
     ]
     return write_report(Path(s.out_dir) / s.name, "longkv bench train", report, lines)

@@ -3,7 +3,7 @@
 For every method run (full attention, and each bounded method at each budget): the held-out
 NLL, its gap to full attention, time and peak memory over corpus text at each length of
 `--nll-tokens` (`longkv.bench.compare`), and needle-in-a-haystack answers over the grid
-(`longkv.evals.runner`), with where kvm-fold put the tokens of each needle's answer. Partial
+(`longkv.evals.niah_run`), with where kvm-fold put the tokens of each needle's answer. Partial
 results are kept beside the page (`<name>.nll.json`, `<name>.niah.json`) after every step, so
 an interrupted run resumes; they are removed once the page is written.
 """
@@ -24,17 +24,17 @@ from longkv.cli.args import add_settings
 from longkv.cli.common import ModelOptions, dtype_setting, input_device, require_positions
 from longkv.cli.niah import methods_line
 from longkv.data.corpus import DEFAULT_TEXT, text_tokens
-from longkv.evals.runner import (
-    NiahRecord,
-    NiahSettings,
-    accuracy_table,
-    budget_plot,
-    check_grid,
-    heatmap,
-    reusable_records,
-    run_niah,
+from longkv.evals.niah_records import NiahRecord, NiahSettings
+from longkv.evals.niah_report import accuracy_table, budget_plot, heatmap
+from longkv.evals.niah_resume import reusable_records
+from longkv.evals.niah_run import check_grid, run_niah
+from longkv.results import (
+    load_partial,
+    markdown_table,
+    provenance,
+    save_partial,
+    write_report,
 )
-from longkv.results import load_partial, provenance, save_partial, write_report
 
 FATES = ("exact", "founded", "merged", "dropped")
 
@@ -74,17 +74,14 @@ def memory_rows(nll: dict[str, Any]) -> list[str]:
     for n in lengths:
         for r in nll[n]["runs"]:
             peaks.setdefault(r["method"], []).append(r["peak_memory_bytes"])
-    lines = [
-        "| method | " + " | ".join(f"peak MiB at {n}" for n in lengths)
-        + f" | {lengths[-1]} / {lengths[0]} |",
-        "|---|" + "---:|" * (len(lengths) + 1),
-    ]  # fmt: skip
+    rows = []
     for method, values in peaks.items():
         shown = ["n/a" if v is None else f"{v / 2**20:.0f}" for v in values]
         first, last = values[0], values[-1]
         ratio = "n/a" if not first or last is None else f"{last / first:.2f}"
-        lines.append(f"| {method} | " + " | ".join(shown) + f" | {ratio} |")
-    return lines
+        rows.append([method, *shown, ratio])
+    header = ["method", *(f"peak MiB at {n}" for n in lengths), f"{lengths[-1]} / {lengths[0]}"]
+    return markdown_table(header, rows, "<" + ">" * (len(lengths) + 1))
 
 
 def fate_rows(records: list[NiahRecord]) -> list[str]:
@@ -94,17 +91,15 @@ def fate_rows(records: list[NiahRecord]) -> list[str]:
     for r in records:
         if r.needle_fate is not None:
             groups.setdefault((r.method, r.score == 1.0), []).append(r.needle_fate)
-    lines = [
-        "| method | answered | samples | " + " | ".join(FATES) + " | tokens per founded slot |",
-        "|---|---|---:|" + "---:|" * (len(FATES) + 1),
-    ]
+    rows = []
     for (method, right), fates in sorted(groups.items()):
-        cells = " | ".join(f"{100 * sum(f[k] for f in fates) / len(fates):.1f} %" for k in FATES)
+        cells = [f"{100 * sum(f[k] for f in fates) / len(fates):.1f} %" for k in FATES]
         # over the samples where the answer founded slots at all (their mean is 0 elsewhere)
         sizes = [f["founded_slot_tokens"] for f in fates if f["founded"] > 0]
         size = f"{sum(sizes) / len(sizes):.1f}" if sizes else "-"
-        lines.append(f"| {method} | {'yes' if right else 'no'} | {len(fates)} | {cells} | {size} |")
-    return lines
+        rows.append([method, "yes" if right else "no", str(len(fates)), *cells, size])
+    header = ["method", "answered", "samples", *FATES, "tokens per founded slot"]
+    return markdown_table(header, rows, "<<>" + ">" * (len(FATES) + 1))
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:

@@ -13,7 +13,7 @@ from longkv.data.corpus import text_tokens
 from longkv.dtypes import DTYPES
 from longkv.fold.fold import CLI_SWITCH, position_refusal
 from longkv.models.pretrained import DEFAULT_MODEL, load_pretrained
-from longkv.results import OUT_DIR
+from longkv.results import OUT_DIR, OUT_DIR_HELP
 
 
 @dataclass(frozen=True)
@@ -34,9 +34,7 @@ class ModelOptions:
     corpus_dir: str | None = setting(
         None, "corpus folder (default: $LONGKV_CORPUS_DIR, else the texts shipped with longkv)"
     )
-    out_dir: str = setting(
-        OUT_DIR, "folder for the result files; results/ holds the committed pages"
-    )
+    out_dir: str = setting(OUT_DIR, OUT_DIR_HELP)
     allow_extrapolation: bool = setting(
         False,
         "run a RoPE model past its max_position_embeddings, at positions it was never trained "

@@ -1,4 +1,7 @@
-"""`longkv niah`: needle-in-a-haystack for full attention, KV-Fold and StreamingLLM."""
+"""`longkv niah`: the needle-in-a-haystack grid (`longkv.evals.niah_run`) answered by full
+attention, KV-Fold and the bounded caches (StreamingLLM, SnapKV, KVM-Fold), and its page: the
+accuracy table, whether the fold answered as full attention did, and the heatmap. The line that
+says which methods ran with which options (`methods_line`) serves `longkv bounded` too."""
 
 from __future__ import annotations
 
@@ -9,14 +12,9 @@ from pathlib import Path
 from longkv.checks import setting
 from longkv.cli.args import add_settings
 from longkv.cli.common import ModelOptions, dtype_setting
-from longkv.evals.runner import (
-    NiahRecord,
-    NiahSettings,
-    accuracy_table,
-    fold_mismatches,
-    heatmap,
-    run_niah,
-)
+from longkv.evals.niah_records import NiahRecord, NiahSettings, fold_mismatches
+from longkv.evals.niah_report import accuracy_table, heatmap
+from longkv.evals.niah_run import run_niah
 from longkv.fold.methods import describe_runs
 from longkv.fold.variants import VARIANTS
 from longkv.results import provenance, provenance_lines, write_atomic

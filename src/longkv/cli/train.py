@@ -19,7 +19,7 @@ from longkv.checks import require_at_least, setting
 from longkv.cli.args import HelpFormatter, add_settings
 from longkv.data.corpus import read_document
 from longkv.models.pretrained import load_model, resolve_model
-from longkv.results import OUT_DIR
+from longkv.results import OUT_DIR, OUT_DIR_HELP
 from longkv.train.compare import compare_runs
 from longkv.train.data import document_files, split_every
 from longkv.train.loop import CHECKPOINT, METRICS_FILE, Interrupted, evaluate, world
@@ -71,9 +71,7 @@ class CompareOptions:
 
     configs: tuple[str, ...] = setting((), "YAML runs; the first is the base", required=True)
     batches: int = setting(64, "held-out batches (capped at all)")
-    out_dir: str = setting(
-        OUT_DIR, "folder for the result files; results/ holds the committed pages"
-    )
+    out_dir: str = setting(OUT_DIR, OUT_DIR_HELP)
     name: str = setting("compare_runs", "file name stem of the results")
 
     def __post_init__(self) -> None:

@@ -36,11 +36,11 @@ import torch
 from torch import Tensor
 
 from longkv.checks import require
+from longkv.data import IGNORE
 
 Filler = Literal["repeated", "random"]
 FILLERS: tuple[str, ...] = ("repeated", "random")
 PATTERN_LEN = 4  # the "repeated" filler cycles through the first PATTERN_LEN filler ids
-IGNORE = -100  # labels value of an unscored position (cross_entropy's ignore_index)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from longkv.fold.fold import FoldResult, chunk_means, kv_fold
-from longkv.results import pyplot, save_figure
+from longkv.results import finish_figure, markdown_table, pyplot
 
 # the paper's drift has saturated by depth 7
 PLATEAU_FROM = 8
@@ -116,19 +116,14 @@ def depth_bins(n: int) -> list[str]:
 def drift_table(results: list[DriftResult]) -> str:
     """Markdown: one row per run, its mean drift in each depth bin (chunk depth 1, 2-3, ...)."""
     n = max(len(r.depth_means()) for r in results)
-    lines = [
-        "| chunk | dtype | variant | chunks | seconds | mean abs drift | "
-        + " | ".join(f"depth {b}" for b in depth_bins(n))
-        + " |",
-        "|---:|---|---|---:|---:|---:|" + "---:|" * n,
-    ]
+    header = ["chunk", "dtype", "variant", "chunks", "seconds", "mean abs drift"]
+    header += [f"depth {b}" for b in depth_bins(n)]
+    rows = []
     for r in results:
         means = [f"{m:+.1e}" for m in r.depth_means()]
-        cells = means + [""] * (n - len(means))
-        lines.append(
-            f"| {r.chunk_size} | {r.dtype} | {r.variant} | {len(r.drift)} | {r.seconds:.0f} | "
-            f"{r.mean_abs_drift:.2e} | " + " | ".join(cells) + " |"
-        )
+        run = [str(r.chunk_size), r.dtype, r.variant, str(len(r.drift)), f"{r.seconds:.0f}"]
+        rows.append([*run, f"{r.mean_abs_drift:.2e}", *means, *[""] * (n - len(means))])
+    lines = markdown_table(header, rows, "><<>>>" + ">" * n)
     return "\n".join(lines) + "\n"
 
 
@@ -138,24 +133,27 @@ def plateau_table(results: list[DriftResult]) -> str:
     of each later dtype's plateau to the first's (1 = unchanged by the precision)."""
     dtypes = list(dict.fromkeys(r.dtype for r in results))
     runs = {(r.chunk_size, r.variant, r.dtype): r for r in results}
-    rows = list(dict.fromkeys((r.chunk_size, r.variant) for r in results))
+    keys = list(dict.fromkeys((r.chunk_size, r.variant) for r in results))
     head = ["chunk", "variant"]
     for d in dtypes:
         head += [f"plateau {d}", f"deeper - shallower {d}"]
     head += [f"{d} / {dtypes[0]}" for d in dtypes[1:]]
-    lines = ["| " + " | ".join(head) + " |", "|---:|---|" + "---:|" * (len(head) - 2)]
-    for size, variant in rows:
+    rows = []
+    for size, variant in keys:
         # None where a dtype left this variant out or had too few chunks for a plateau
         stats = [r.plateau() if (r := runs.get((size, variant, d))) else None for d in dtypes]
         if all(x is None for x in stats):
             continue
-        cells = [" | " if x is None else f"{x[0]:+.2e} | {x[1]:+.1e}" for x in stats]
+        cells = [str(size), variant]
+        for x in stats:
+            cells += ["", ""] if x is None else [f"{x[0]:+.2e}", f"{x[1]:+.1e}"]
         first = stats[0]
         cells += [
             f"{x[0] / first[0]:.4g}" if x is not None and first is not None and first[0] else ""
             for x in stats[1:]
         ]
-        lines.append(f"| {size} | {variant} | " + " | ".join(cells) + " |")
+        rows.append(cells)
+    lines = markdown_table(head, rows, "><" + ">" * (len(head) - 2))
     return "\n".join(lines) + "\n"
 
 
@@ -195,6 +193,4 @@ def plot_drift(results: list[DriftResult], path: Path, title: str) -> None:
         ax.set_xlabel("chunk depth t")
     for ax in axes[:, 0]:
         ax.set_ylabel("drift (nats)")
-    fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
-    save_figure(fig, path)
+    finish_figure(fig, path, title, title_size=11)

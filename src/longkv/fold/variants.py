@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from longkv.checks import require
+from longkv.checks import require_known
 from longkv.fold import compat
 from longkv.fold.attention import AttentionHooks
 
@@ -35,8 +35,7 @@ VARIANT_HELP = "how the fold departs from the exact fold: " + "; ".join(
 
 def require_variants(field: str, *variants: str) -> None:
     """SettingError on field ("Owner.name") unless every name is a variant."""
-    unknown = sorted(set(variants) - set(VARIANTS))
-    require(not unknown, field, f"unknown {unknown}; choose from {list(VARIANTS)}")
+    require_known(field, variants, list(VARIANTS))
 
 
 def inserted_positions(variant: str, tokens: int, chunk_size: int) -> int:

@@ -27,6 +27,7 @@ from longkv.attention.layers import (
     SlidingWindowAttention,
 )
 from longkv.attention.state import WindowCache
+from longkv.data import IGNORE
 from longkv.kvm.layer import KVMAttention
 from longkv.kvm.state import KVMState
 from longkv.models.config import LongKVConfig
@@ -306,7 +307,7 @@ class LongKVForCausalLM(LongKVPreTrainedModel, GenerationMixin):
         """Logits (B, T', V) of the last logits_to_keep tokens (0 = all T), the cache and a loss.
 
         Inputs as for `LongKVModel.forward`. labels (B, T): next-token loss over positions
-        1..T-1 (labels shifted inside; -100 ignored), in float32 at least.
+        1..T-1 (labels shifted inside; IGNORE (-100) ignored), in float32 at least.
         """
         out = self.model(
             input_ids=input_ids,
@@ -322,7 +323,7 @@ class LongKVForCausalLM(LongKVPreTrainedModel, GenerationMixin):
         if labels is not None:
             wide = torch.promote_types(logits.dtype, torch.float32)  # bf16 logits: fp32 loss
             loss = F.cross_entropy(
-                logits[:, :-1].flatten(0, 1).to(wide), labels[:, 1:].flatten(), ignore_index=-100
+                logits[:, :-1].flatten(0, 1).to(wide), labels[:, 1:].flatten(), ignore_index=IGNORE
             )
         return CausalLMOutputWithPast(
             loss=loss, logits=logits, cache=out.cache, hidden_states=out.hidden_states

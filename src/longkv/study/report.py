@@ -14,7 +14,7 @@ from pathlib import Path
 from statistics import fmean
 from typing import Any
 
-from longkv.results import provenance, pyplot, save_figure, write_report
+from longkv.results import finish_figure, markdown_table, provenance, pyplot, write_report
 from longkv.study.config import TRAIN, StudyConfig
 from longkv.study.grid import StudyData, finished, run_dir
 from longkv.train.loop import METRICS_FILE
@@ -93,14 +93,6 @@ def _pct(x: float | None) -> str:
     return "-" if x is None or math.isnan(x) else f"{100 * x:.1f}"
 
 
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    return [
-        "| " + " | ".join(header) + " |",
-        "|" + "---|" * len(header),
-        *("| " + " | ".join(row) + " |" for row in rows),
-    ]
-
-
 def _point_label(p: Record) -> list[str]:
     return [str(p[k]) for k in ("num_pairs", "gap", "filler", "value_len", "seq_len")]
 
@@ -118,7 +110,7 @@ def mqar_tables(done: dict[str, list[Record]], means: dict[str, Record]) -> list
         "",
         "A query is right when every value token is; accuracy is the fraction of right queries.",
         "",
-        *_table(
+        *markdown_table(
             POINT_HEADER + variants,
             [
                 _point_label(p) + [_pct(means[v]["points"][i]["accuracy"]) for v in variants]
@@ -130,7 +122,7 @@ def mqar_tables(done: dict[str, list[Record]], means: dict[str, Record]) -> list
         "",
     ]
     runs = [(v, r) for v in variants for r in done[v]]
-    lines += _table(
+    lines += markdown_table(
         POINT_HEADER + [f"{v} s{r['seed']}" for v, r in runs],
         [
             _point_label(p) + [_pct(r["points"][i]["accuracy"]) for _, r in runs]
@@ -143,7 +135,7 @@ def mqar_tables(done: dict[str, list[Record]], means: dict[str, Record]) -> list
             "",
             "## State size (slots at the end of the row, mean over kvm layers and seeds)",
             "",
-            *_table(
+            *markdown_table(
                 POINT_HEADER + kvm,
                 [
                     _point_label(p) + [f"{means[v]['points'][i]['state_slots']:.1f}" for v in kvm]
@@ -163,7 +155,7 @@ def lm_tables(done: dict[str, list[Record]], means: dict[str, Record]) -> list[s
         "",
         "## Held-out loss by position (mean over seeds)",
         "",
-        *_table(
+        *markdown_table(
             ["positions", *variants],
             [
                 [f"{b['low']}-{b['high'] - 1}"]
@@ -174,7 +166,7 @@ def lm_tables(done: dict[str, list[Record]], means: dict[str, Record]) -> list[s
         "",
         "## Per seed",
         "",
-        *_table(
+        *markdown_table(
             ["positions", *(f"{v} s{r['seed']}" for v, r in runs)],
             [
                 [f"{b['low']}-{b['high'] - 1}"]
@@ -207,7 +199,7 @@ def time_table(done: dict[str, list[Record]]) -> list[str]:
         "Held-out curve: the held-out loss at each evaluation, in step order (where a run "
         "leaves a plateau, and how many steps it had after).",
         "",
-        *_table(
+        *markdown_table(
             TIME_HEADER,
             [
                 [
@@ -331,9 +323,7 @@ def plot_mqar(means: dict[str, Record], path: Path, title: str) -> None:
             ax.legend(fontsize=7)
         for col in range(len(lengths), len(kinds)):
             axes[2][col].axis("off")
-    fig.suptitle(title)
-    fig.tight_layout()
-    save_figure(fig, path)
+    finish_figure(fig, path, title)
 
 
 def plot_lm(means: dict[str, Record], train_len: int, path: Path, title: str) -> None:
@@ -353,8 +343,7 @@ def plot_lm(means: dict[str, Record], train_len: int, path: Path, title: str) ->
     ax.set_ylabel("held-out loss (nats)")
     ax.set_title(title)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    save_figure(fig, path)
+    finish_figure(fig, path)
 
 
 def write_study_report(

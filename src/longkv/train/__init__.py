@@ -1,1 +1,3 @@
-"""Training longkv language models: data, and (to come) the training loop."""
+"""Training longkv language models: the data (documents or a dataset, a held-out split, packed
+rows), tokenizers, the loop (AdamW, evaluation, checkpoints, DDP/FSDP) and trained runs compared
+side by side."""

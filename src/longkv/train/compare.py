@@ -9,7 +9,7 @@ from tqdm import tqdm
 
 from longkv.results import provenance, write_report
 from longkv.train.loop import METRICS_FILE, describe, differences
-from longkv.train.report import markdown_table, plot_runs, read_metrics, score_run
+from longkv.train.report import plot_runs, read_metrics, runs_table, score_run
 from longkv.train.run import finished_run, load_run
 
 
@@ -40,7 +40,7 @@ def compare_runs(
         score_run(label, run.sections.out, run.sections.train.batch_size, held, eval_batch, batches)
         for label, run in tqdm(runs, desc="score", unit="run")
     ]
-    table = markdown_table(results)
+    table = runs_table(results)
     body = [
         "",
         f"Held-out loss: mean next-token loss over the same {results[0].held_out_tokens:,} "

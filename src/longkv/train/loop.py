@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 from tqdm import tqdm
 
 from longkv.checks import require, require_at_least
-from longkv.evals.synthetic import IGNORE
+from longkv.data import IGNORE
 from longkv.models import LongKVConfig, LongKVForCausalLM
 from longkv.results import replaced_atomically
 
@@ -91,7 +91,7 @@ class LabelledRows:
     """Training or held-out rows that score only some tokens.
 
     ids (N, L + 1) long: the tokens; labels (N, L + 1) long: the target at each position, -100
-    where unscored (`longkv.evals.synthetic.IGNORE`). The loss of a row is the mean cross
+    where unscored (`longkv.data.IGNORE`). The loss of a row is the mean cross
     entropy of labels[:, 1:] given ids[:, :-1] over the labelled positions; plain token rows
     (a Tensor) are the case labels == ids. Indexing and `to` act on both tensors.
     """

@@ -11,7 +11,7 @@ from typing import Any
 from torch import Tensor
 
 from longkv.models import LongKVForCausalLM
-from longkv.results import pyplot, save_figure, write_atomic
+from longkv.results import finish_figure, markdown_table, pyplot, write_atomic
 from longkv.train.loop import METRICS_FILE, evaluate
 
 PROVENANCE = "provenance.json"  # in a run's out_dir: a record per finished `longkv train`
@@ -89,21 +89,24 @@ def score_run(
     )
 
 
-def markdown_table(results: list[RunResult]) -> list[str]:
+def runs_table(results: list[RunResult]) -> list[str]:
     """The comparison as a markdown table; the last column is relative to the first run."""
     base = results[0].held_out_loss
-    lines = [
-        f"| run | mixers | parameters | steps | tokens | train minutes | held-out loss | "
-        f"vs {results[0].label} |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+    header = ["run", "mixers", "parameters", "steps", "tokens", "train minutes", "held-out loss"]
+    rows = [
+        [
+            r.label,
+            "/".join(dict.fromkeys(r.mixers)),
+            f"{r.parameters:,}",
+            str(r.steps),
+            f"{r.train_tokens:,}",
+            f"{r.train_seconds / 60:.1f}",
+            f"{r.held_out_loss:.4f}",
+            f"{100 * (r.held_out_loss / base - 1):+.2f} %",
+        ]
+        for r in results
     ]
-    for r in results:
-        lines.append(
-            f"| {r.label} | {'/'.join(dict.fromkeys(r.mixers))} | {r.parameters:,} | {r.steps} | "
-            f"{r.train_tokens:,} | {r.train_seconds / 60:.1f} | {r.held_out_loss:.4f} | "
-            f"{100 * (r.held_out_loss / base - 1):+.2f} % |"
-        )
-    return lines
+    return markdown_table([*header, f"vs {results[0].label}"], rows, "<<" + ">" * 6)
 
 
 def plot_runs(curves: dict[str, list[dict[str, float]]], path: Path, title: str) -> None:
@@ -128,6 +131,4 @@ def plot_runs(curves: dict[str, list[dict[str, float]]], path: Path, title: str)
     for ax in axes:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    save_figure(fig, path)
+    finish_figure(fig, path, title, title_size=10)

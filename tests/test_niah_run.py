@@ -7,10 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
+from conftest import over_tokenizer, tiny_hf
 from longkv.evals.niah import make_sample
-from longkv.evals.runner import NiahSettings, accuracy_table, fold_mismatches, heatmap, run_niah
+from longkv.evals.niah_records import NiahSettings, fold_mismatches
+from longkv.evals.niah_report import accuracy_table, heatmap
+from longkv.evals.niah_run import run_niah
 from longkv.fold import StreamingRunner, stream
 from longkv.models.pretrained import load_pretrained
 from longkv.train.tokenizer import gpt2_tokenizer
@@ -69,18 +71,7 @@ def test_a_needle_outside_the_streaming_window_is_absent_from_its_cache(
     depth: float, inside: bool
 ) -> None:
     tokenizer = gpt2_tokenizer()
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=len(tokenizer),
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            max_position_embeddings=2048,
-        )
-    ).eval()
+    model = tiny_hf(**over_tokenizer(tokenizer), max_position_embeddings=2048)
     sample = make_sample("niah_single_1", tokenizer, 1024, depth, seed=0)
     needle = set(range(sample.needle_positions[0], sample.needle_positions[0] + 20))
     runner = StreamingRunner(model, sinks=4, window=252)

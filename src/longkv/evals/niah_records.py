@@ -1,0 +1,121 @@
+"""What a needle-in-a-haystack grid is and what its result file holds: the settings (grid,
+methods and their options), one record per answer, and the scores the file carries with them
+(string_match_all per task, method and length; whether the fold answered as full attention).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from longkv.checks import require, require_at_least, require_known, setting
+from longkv.evals.niah import TASKS
+from longkv.fold.methods import METHODS, BoundedOptions
+from longkv.fold.variants import VARIANT_HELP, VARIANTS, require_variants
+from longkv.results import write_atomic
+
+
+@dataclass(frozen=True)
+class NiahSettings(BoundedOptions):
+    """The grid, the methods and their options."""
+
+    tasks: tuple[str, ...] = setting(("niah_single_2",), "needle tasks", choices=TASKS)
+    lengths: tuple[int, ...] = setting(
+        (4096,), "context lengths in tokens (prompt and answer budget)"
+    )
+    depths: tuple[float, ...] = setting((0.1, 0.5, 0.9), "needle depths in [0, 1]")
+    methods: tuple[str, ...] = setting(
+        ("full", "fold", "streaming"), "methods that answer", choices=METHODS
+    )
+    samples: int = setting(1, "samples per cell (task, length, depth)")
+    seed: int = setting(0, "seed of the first sample; sample i uses seed + i")
+    chunk_size: int = setting(1024, "fold chunk (tokens)")
+    variant: str = setting("exact", "method fold: " + VARIANT_HELP, choices=VARIANTS)
+    max_new_tokens: int = setting(32, "greedy answer tokens at most")
+
+    def __post_init__(self) -> None:
+        require_known("NiahSettings.tasks", self.tasks, TASKS)
+        require_known("NiahSettings.methods", self.methods, METHODS)
+        at_least_one = ("lengths", "samples", "chunk_size", "max_new_tokens")
+        require_at_least(1, "NiahSettings", self, *at_least_one)
+        require_variants("NiahSettings.variant", self.variant)
+        require(
+            all(0 <= d <= 1 for d in self.depths),
+            "NiahSettings.depths",
+            f"must lie in [0, 1], got {self.depths}",
+        )
+        self.bounded_configs(self.methods)
+
+    @property
+    def runs(self) -> list[str]:
+        """The label of every method run (`BoundedOptions.labels`)."""
+        return self.labels(self.methods)
+
+
+@dataclass(frozen=True)
+class NiahRecord:
+    """One method's answer to one sample."""
+
+    task: str
+    context_len: int
+    depth: float
+    seed: int
+    method: str
+    answers: list[str]
+    prediction: str
+    tokens: list[int]
+    score: float
+    seconds: float
+    # kvm-fold: where the tokens spelling the first answer went (`KVMFoldRunner.fates`)
+    needle_fate: dict[str, float] | None = None
+
+    @property
+    def key(self) -> tuple[str, int, float, int, str]:
+        return (self.task, self.context_len, self.depth, self.seed, self.method)
+
+
+@dataclass
+class NiahRun:
+    settings: NiahSettings
+    records: list[NiahRecord] = field(default_factory=list)
+    provenance: dict[str, Any] = field(default_factory=dict)
+
+    def save(self, path: Path) -> None:
+        payload = {
+            "provenance": self.provenance,
+            "settings": asdict(self.settings),
+            "records": [asdict(r) for r in self.records],
+            "accuracy": accuracy(self.records),
+        }
+        mismatches = fold_mismatches(self.records)
+        if mismatches is not None:  # only where both answered
+            payload["fold_equals_full"] = mismatches == []
+        write_atomic(path, json.dumps(payload, indent=2) + "\n")
+
+
+def mean_scores(records: list[NiahRecord], key: Callable[[NiahRecord], Any]) -> dict[Any, float]:
+    """string_match_all (0-100) of the records grouped by key(record)."""
+    groups: dict[Any, list[float]] = {}
+    for r in records:
+        groups.setdefault(key(r), []).append(r.score)
+    return {k: 100 * sum(v) / len(v) for k, v in groups.items()}
+
+
+def accuracy(records: list[NiahRecord]) -> dict[str, float]:
+    """string_match_all (0-100) per "task/method/length", over depths and samples."""
+    return dict(
+        sorted(mean_scores(records, lambda r: f"{r.task}/{r.method}/{r.context_len}").items())
+    )
+
+
+def fold_mismatches(records: list[NiahRecord]) -> list[tuple[str, int, float, int]] | None:
+    """Samples where the fold's answer tokens differ from full attention's, among the samples
+    both answered; None if there is no such sample (nothing was compared)."""
+    tokens = {r.key: r.tokens for r in records}
+    both = [r for r in records if r.method == "fold" and (*r.key[:4], "full") in tokens]
+    if not both:
+        return None
+    return [r.key[:4] for r in both if tokens[(*r.key[:4], "full")] != r.tokens]

@@ -1,0 +1,102 @@
+"""A niah run on its page: the accuracy table, the heatmap over depth and length, and the score
+against each bounded method's budget."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from longkv.evals.niah_records import NiahRun, accuracy, mean_scores
+from longkv.fold.methods import split_label
+from longkv.results import markdown_table, pyplot, save_figure
+
+
+def accuracy_table(run: NiahRun) -> str:
+    """Markdown: rows task x method, columns lengths, cells string_match_all over depths."""
+    s, acc = run.settings, accuracy(run.records)
+    rows = []
+    for task in s.tasks:
+        for method in s.runs:
+            cells = [acc.get(f"{task}/{method}/{n}") for n in s.lengths]
+            known = [c for c in cells if c is not None]
+            mean = f"{sum(known) / len(known):.1f}" if known else ""
+            shown = ["" if c is None else f"{c:.1f}" for c in cells]
+            rows.append([task, method, *shown, mean])
+    header = ["task", "method", *map(str, s.lengths), "mean"]
+    lines = markdown_table(header, rows, "<<" + ">" * (len(s.lengths) + 1))
+    return "\n".join(lines) + "\n"
+
+
+def heatmap(run: NiahRun, path: Path) -> None:
+    """One panel per task and method: score (0-100) over depth (rows) x length (columns)."""
+    plt = pyplot()
+    s = run.settings
+    scores = mean_scores(run.records, lambda r: (r.task, r.method, r.depth, r.context_len))
+    rows, cols = len(s.tasks), len(s.runs)
+    fig, axes = plt.subplots(
+        rows,
+        cols,
+        figsize=(3.2 * cols + 1.2, 2.6 * rows + 0.8),
+        squeeze=False,
+        layout="constrained",
+    )
+    for i, task in enumerate(s.tasks):
+        for j, method in enumerate(s.runs):
+            grid = torch.tensor(
+                [[scores.get((task, method, d, n), float("nan")) for n in s.lengths]
+                 for d in s.depths]
+            )  # fmt: skip
+            ax = axes[i][j]
+            image = ax.imshow(grid.numpy(), vmin=0, vmax=100, cmap="RdYlGn", aspect="auto")
+            ax.set_xticks(
+                range(len(s.lengths)),
+                [f"{n // 1024}K" if n % 1024 == 0 else str(n) for n in s.lengths],
+            )
+            ax.set_yticks(range(len(s.depths)), [f"{d:g}" for d in s.depths])
+            for a in range(len(s.depths)):
+                for b in range(len(s.lengths)):
+                    if not grid[a, b].isnan():
+                        ax.text(b, a, f"{grid[a, b]:.0f}", ha="center", va="center", fontsize=8)
+            ax.set_title(f"{task} / {method}", fontsize=9)
+            if i == rows - 1:
+                ax.set_xlabel("context length")
+            if j == 0:
+                ax.set_ylabel("needle depth")
+    fig.colorbar(image, ax=axes, shrink=0.8, label="string_match_all")
+    save_figure(fig, path, dpi=100)
+
+
+def budget_plot(run: NiahRun, path: Path) -> None:
+    """One panel per task: score (0-100, over lengths and depths) against the budget of each
+    bounded method, the unbounded methods as horizontal lines."""
+    plt = pyplot()
+    s = run.settings
+    scores = mean_scores(run.records, lambda r: (r.task, r.method))
+    fig, axes = plt.subplots(
+        1, len(s.tasks), figsize=(4.2 * len(s.tasks), 3.4), squeeze=False, layout="constrained"
+    )
+    budgets = sorted(s.budgets)
+    for ax, task in zip(axes[0], s.tasks, strict=True):
+        lines: dict[str, list[tuple[int, float]]] = {}
+        for label in s.runs:
+            name, budget = split_label(label)
+            score = scores.get((task, label))
+            if score is None:
+                continue
+            if budget is None:
+                ax.axhline(score, linestyle="--", color="gray" if name == "full" else "black",
+                           label=name)  # fmt: skip
+            else:
+                lines.setdefault(name, []).append((budget, score))
+        for name, points in lines.items():
+            points.sort()
+            ax.plot([b for b, _ in points], [v for _, v in points], marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(budgets, [str(b) for b in budgets])
+        ax.set_ylim(-5, 105)
+        ax.set_title(task, fontsize=9)
+        ax.set_xlabel("entries per layer and KV head")
+        ax.set_ylabel("string_match_all")
+    axes[0][-1].legend(fontsize=7, loc="lower right")
+    save_figure(fig, path)

@@ -1,0 +1,72 @@
+"""Which answers in an earlier niah result file (`NiahRun.save`) a run may take instead of
+answering: all of them from a file of the same settings (an interrupted grid), or those of its
+own method runs from a file whose other settings these runs do not read (a grid split over
+processes).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import Any
+
+from longkv.checks import require
+from longkv.evals.niah_records import NiahRecord, NiahSettings
+from longkv.fold.methods import BOUNDED, BoundedOptions, method_of
+
+
+def saved_settings(data: dict[str, Any]) -> dict[str, Any]:
+    """The settings of a niah result file (`NiahRun.save`), with the default of any setting
+    added after the file was written."""
+    defaults = {f.name: f.default for f in fields(NiahSettings)}
+    return {**json.loads(json.dumps(defaults)), **data.get("settings", {})}
+
+
+def saved_records(path: Path, settings: NiahSettings) -> list[NiahRecord]:
+    """Records of an earlier run with the same settings at path (none if it differs)."""
+    if not path.is_file():
+        return []
+    data = json.loads(path.read_text())
+    if saved_settings(data) != json.loads(json.dumps(asdict(settings))):
+        return []
+    return [NiahRecord(**r) for r in data["records"]]
+
+
+# the settings that choose which methods run; the others must agree for answers to be reused
+RUN_FIELDS = ("methods", "budgets", "kvm_states")
+# settings that only some methods read: a difference in one keeps the other methods' answers
+ONLY_FOR = {
+    "chunk_size": ("fold",),
+    "variant": ("fold",),
+    "sinks": BOUNDED,
+    "stream_chunk": BOUNDED,
+    "window": ("snapkv", "kvm-fold"),
+    **{f.name: ("kvm-fold",) for f in fields(BoundedOptions) if f.name.startswith("kvm_")},
+}
+
+
+def reusable_records(path: Path, s: NiahSettings) -> tuple[list[NiahRecord], dict[str, Any]]:
+    """The answers in a niah result file (`NiahRun.save`) to runs of this grid, and the file's
+    provenance; a SettingError if the file's grid, or an option that one of its runs here
+    reads (`ONLY_FOR`), differs from these."""
+    data = json.loads(path.read_text())
+    ours = json.loads(json.dumps(asdict(s)))
+    theirs = saved_settings(data)
+    runs = set(s.runs)
+    records = [NiahRecord(**r) for r in data["records"] if r["method"] in runs]
+    methods = {method_of(r.method) for r in records}
+    differ = sorted(
+        k
+        for k in ours
+        if k not in RUN_FIELDS
+        and theirs[k] != ours[k]
+        and (k not in ONLY_FOR or methods & set(ONLY_FOR[k]))
+    )
+    require(
+        not differ,
+        "NiahSettings.methods",
+        f"{path} answered another grid or other method options ({differ} differ); its answers "
+        "cannot be reused",
+    )
+    return records, data.get("provenance", {})
