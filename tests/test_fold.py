@@ -186,7 +186,8 @@ def test_fold_and_streaming_leave_the_process_alone() -> None:
     script = """
 import sys, torch
 from transformers import LlamaConfig, LlamaForCausalLM
-from longkv.fold import kv_fold, streaming_llm, fold_generate
+from longkv.fold import kv_fold, fold_generate
+from longkv.caches import streaming_llm
 config = LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                      num_attention_heads=2, num_key_value_heads=1)
 model = LlamaForCausalLM(config).eval()

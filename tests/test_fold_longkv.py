@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from conftest import tiny_longkv
-from longkv.fold import compat, fold_generate, kv_fold, streaming_llm
+from longkv.caches import streaming_llm
+from longkv.fold import compat, fold_generate, kv_fold
 from longkv.kvm.functional import _non_rotary
 
 V, T = 53, 45

@@ -9,15 +9,15 @@ import torch
 
 from conftest import TINY_HF, tiny_hf
 from longkv.attention.rope import angles_at, rotate
+from longkv.caches.bounded import bounded_fold, bounded_generate
+from longkv.caches.eviction import SnapKVConfig, SnapKVRunner, keep_best, pooled
+from longkv.caches.kvm_fold import KVMFoldConfig, KVMFoldRunner
+from longkv.caches.kvm_state import DROPPED, FoldState, empty_state, read_slots, update_state
+from longkv.caches.methods import run_bounded
+from longkv.caches.naive import update_state_naive
 from longkv.checks import SettingError
 from longkv.fold import kv_fold
 from longkv.fold.attention import AttentionHooks, bounded_attention, hooked
-from longkv.fold.bounded import bounded_fold, bounded_generate
-from longkv.fold.eviction import SnapKVConfig, SnapKVRunner, keep_best, pooled
-from longkv.fold.kvm_cache import KVMFoldConfig, KVMFoldRunner
-from longkv.fold.kvm_state import DROPPED, FoldState, empty_state, read_slots, update_state
-from longkv.fold.methods import run_bounded
-from longkv.fold.naive import update_state_naive
 
 V, T = TINY_HF["vocab_size"], 100
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from conftest import over_tokenizer, tiny_hf
+from longkv.caches import StreamingRunner, stream
 from longkv.evals.niah import make_sample
 from longkv.evals.niah_records import NiahSettings, fold_mismatches
 from longkv.evals.niah_report import accuracy_table, heatmap
 from longkv.evals.niah_run import run_niah
-from longkv.fold import StreamingRunner, stream
 from longkv.models.pretrained import load_pretrained
 from longkv.train.tokenizer import gpt2_tokenizer
 

@@ -9,7 +9,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from conftest import tiny_hf
-from longkv.fold.streaming import StreamingRunner, streaming_generate, streaming_llm
+from longkv.caches.streaming import StreamingRunner, streaming_generate, streaming_llm
 
 V = 61
 

@@ -18,9 +18,9 @@ from typing import Any
 from torch import Tensor, nn
 
 from longkv.bench.memory import keep_freed_heap, load_weights, peak_memory
-from longkv.fold.bounded import BoundedConfig
+from longkv.caches.bounded import BoundedConfig
+from longkv.caches.methods import run_bounded
 from longkv.fold.fold import FoldResult, kv_fold
-from longkv.fold.methods import run_bounded
 from longkv.results import markdown_table
 
 # enough tokens for every bounded cache of the default budgets to append, merge and evict
@@ -85,7 +85,7 @@ def compare_methods(
     """Measure each method on input_ids (B, T); ratios against the full forward.
 
     methods: "full" and "fold", and labels of `bounded` (label -> config; see
-    `longkv.fold.methods`), run in chunks of stream_chunk. allow_extrapolation: let full and
+    `longkv.caches.methods`), run in chunks of stream_chunk. allow_extrapolation: let full and
     fold run a RoPE model past its max_position_embeddings (`kv_fold`); a bounded cache's
     positions stay within its budget. variant: how "fold" departs from the exact fold
     (`longkv.fold.variants`).

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from longkv.bench.compare import compare_methods, markdown_rows
+from longkv.caches.methods import METHODS, BoundedOptions, describe_runs
 from longkv.checks import require, require_at_least, setting
 from longkv.cli.args import add_settings
 from longkv.cli.common import ModelOptions, dtype_setting, require_positions
@@ -14,7 +15,6 @@ from longkv.data.corpus import DEFAULT_TEXT
 from longkv.dtypes import DTYPES
 from longkv.fold.drift import drift_table
 from longkv.fold.drift_grid import drift_grid, drift_runs, write_drift_page
-from longkv.fold.methods import METHODS, BoundedOptions, describe_runs
 from longkv.fold.variants import (
     VARIANT_HELP,
     VARIANTS,

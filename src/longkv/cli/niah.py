@@ -9,13 +9,13 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
+from longkv.caches.methods import describe_runs
 from longkv.checks import setting
 from longkv.cli.args import add_settings
 from longkv.cli.common import ModelOptions, dtype_setting
 from longkv.evals.niah_records import NiahRecord, NiahSettings, fold_mismatches
 from longkv.evals.niah_report import accuracy_table, heatmap
 from longkv.evals.niah_run import run_niah
-from longkv.fold.methods import describe_runs
 from longkv.fold.variants import VARIANTS
 from longkv.results import provenance, provenance_lines, write_atomic
 

@@ -11,9 +11,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from longkv.caches.methods import METHODS, BoundedOptions
 from longkv.checks import require, require_at_least, require_known, setting
 from longkv.evals.niah import TASKS
-from longkv.fold.methods import METHODS, BoundedOptions
 from longkv.fold.variants import VARIANT_HELP, VARIANTS, require_variants
 from longkv.results import write_atomic
 

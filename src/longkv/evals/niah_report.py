@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
+from longkv.caches.methods import split_label
 from longkv.evals.niah_records import NiahRun, accuracy, mean_scores
-from longkv.fold.methods import split_label
 from longkv.results import markdown_table, pyplot, save_figure
 
 

@@ -11,9 +11,9 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
+from longkv.caches.methods import BOUNDED, BoundedOptions, method_of
 from longkv.checks import require
 from longkv.evals.niah_records import NiahRecord, NiahSettings
-from longkv.fold.methods import BOUNDED, BoundedOptions, method_of
 
 
 def saved_settings(data: dict[str, Any]) -> dict[str, Any]:

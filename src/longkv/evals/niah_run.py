@@ -3,7 +3,7 @@ caches (StreamingLLM, SnapKV, KVM-Fold at each budget), answered sample by sampl
 
 Every method answers the same prompt by greedy decoding: `full` from one pass over the whole
 prompt, `fold` from a fold in chunks, a bounded method (labelled like `kvm-fold/sqrt@1024`,
-`longkv.fold.methods`) from its cache after reading the prompt in chunks. Records are written
+`longkv.caches.methods`) from its cache after reading the prompt in chunks. Records are written
 to the JSON file after every answer (atomically), and a rerun with the same settings reuses
 those of an unfinished grid, so an interrupted grid loses nothing; a finished grid (such as a
 committed result) is run again. The settings, records and scores are in `niah_records`, which
@@ -20,15 +20,15 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from longkv.caches.bounded import bounded_generate
+from longkv.caches.kvm_fold import KVMFoldRunner
+from longkv.caches.methods import make_runner
 from longkv.checks import SettingError, require
 from longkv.evals.niah import ANSWER_BUDGET, NiahSample, answer_span, make_sample, sample_score
 from longkv.evals.niah_records import NiahRecord, NiahRun, NiahSettings
 from longkv.evals.niah_resume import saved_records
-from longkv.fold.bounded import bounded_generate
 from longkv.fold.fold import CLI_SWITCH, check_foldable, position_refusal
 from longkv.fold.generate import fold_generate
-from longkv.fold.kvm_cache import KVMFoldRunner
-from longkv.fold.methods import make_runner
 from longkv.fold.variants import check_variant, inserted_positions
 
 

@@ -1,5 +1,5 @@
 """The slot arithmetic of a KVM state (spec: docs/kvm.md sections 3 and 5), shared by the
-trained layer (`longkv.kvm.functional`) and KVM-Fold (`longkv.fold.kvm_state`).
+trained layer (`longkv.kvm.functional`) and KVM-Fold (`longkv.caches.kvm_state`).
 
 A block of m tokens leaves the window. Each is compared with the slots by the dot product of
 the forms its caller prepares: the layer's LN_s(Z(k)) against LN_s(slot keys), KVM-Fold's unit

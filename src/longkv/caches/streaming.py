@@ -1,6 +1,6 @@
 """StreamingLLM (Xiao et al.): attention sinks plus a recent window, bounded memory.
 
-Spec kvfold.md section 5: a bounded cache (`longkv.fold.bounded`) with nothing in the middle.
+Spec kvfold.md section 5: a bounded cache (`longkv.caches.bounded`) with nothing in the middle.
 It keeps the first `sinks` entries and the most recent ones, at most `sinks + window` entries
 per layer, with positions inside the cache: a token's query sits at its cache index, and cached
 keys are rotated at their cache index.
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from longkv.fold.bounded import BoundedConfig, BoundedRunner, bounded_fold, bounded_generate
+from longkv.caches.bounded import BoundedConfig, BoundedRunner, bounded_fold, bounded_generate
 from longkv.fold.fold import FoldResult
 
 

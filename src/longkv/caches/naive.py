@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from longkv.fold.kvm_state import DROPPED, FoldState
+from longkv.caches.kvm_state import DROPPED, FoldState
 
 
 def _cosine(a: Tensor, b: Tensor) -> float:
@@ -21,7 +21,7 @@ def update_state_naive(
     sink_keys: Tensor,
     threshold: float | None = None,
 ) -> tuple[FoldState, Tensor]:
-    """`longkv.fold.kvm_state.update_state` written out per row, head and token."""
+    """`longkv.caches.kvm_state.update_state` written out per row, head and token."""
     B, Hkv, m, _ = keys.shape
     S0 = state.num_slots
     n_append = min(max(target - S0, 0), m)

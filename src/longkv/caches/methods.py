@@ -12,18 +12,18 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
-from longkv.checks import SettingError, mirror, require, require_at_least, setting
-from longkv.fold.bounded import (
+from longkv.caches.bounded import (
     BoundedConfig,
     BoundedRunner,
     bounded_fold,
     budget_refusal,
     check_bounded,
 )
-from longkv.fold.eviction import SnapKVConfig, SnapKVRunner
+from longkv.caches.eviction import SnapKVConfig, SnapKVRunner
+from longkv.caches.kvm_fold import STATES, KVMFoldConfig, KVMFoldRunner
+from longkv.caches.streaming import StreamingRunner
+from longkv.checks import SettingError, mirror, require, require_at_least, setting
 from longkv.fold.fold import FoldResult
-from longkv.fold.kvm_cache import STATES, KVMFoldConfig, KVMFoldRunner
-from longkv.fold.streaming import StreamingRunner
 
 BOUNDED = ("streaming", "snapkv", "kvm-fold")
 METHODS = ("full", "fold", *BOUNDED)

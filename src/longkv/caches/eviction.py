@@ -6,7 +6,7 @@ queries and over the query heads that share a KV head, score every kept and wind
 (average-pooled over `pool` neighbouring entries, as SnapKV pools, so a span is kept whole).
 Before the next chunk, the tokens leaving the window join the kept entries and the
 budget - sinks - window best scored of them stay, in time order; the rest are evicted.
-Positions live inside the cache (`longkv.fold.bounded`), where SnapKV keeps its prompt's
+Positions live inside the cache (`longkv.caches.bounded`), where SnapKV keeps its prompt's
 positions: a bounded cache must not run past the positions the model was trained on.
 """
 
@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from longkv.caches.bounded import BoundedConfig, BoundedRunner
 from longkv.checks import require, setting
 from longkv.fold.attention import AttentionHooks
-from longkv.fold.bounded import BoundedConfig, BoundedRunner
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """KVM-Fold: a frozen model over a long input in bounded memory, with a KVM state of what left
 the window.
 
-Per layer and KV head the cache is sinks | slots | window (`longkv.fold.bounded`). Tokens that
-leave the window update the slots by the rules of `longkv.fold.kvm_state`: the most novel
+Per layer and KV head the cache is sinks | slots | window (`longkv.caches.bounded`). Tokens that
+leave the window update the slots by the rules of `longkv.caches.kvm_state`: the most novel
 become new slots while the state's budget grows, the others merge into their most similar slot.
 The budget of slots follows spec kvm.md section 6 (`desired_state_len`), capped at the entries
 the cache leaves for the middle (budget - sinks - window).
@@ -16,10 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from longkv.checks import require, setting
-from longkv.fold.attention import AttentionHooks
-from longkv.fold.bounded import BoundedConfig, BoundedRunner
-from longkv.fold.kvm_state import (
+from longkv.caches.bounded import BoundedConfig, BoundedRunner
+from longkv.caches.kvm_state import (
     DROPPED,
     READOUTS,
     FoldState,
@@ -27,6 +25,8 @@ from longkv.fold.kvm_state import (
     read_slots,
     update_state,
 )
+from longkv.checks import require, setting
+from longkv.fold.attention import AttentionHooks
 from longkv.kvm.config import BudgetRule, desired_state_len
 
 STATES = ("fixed", "sqrt", "saturation")
