@@ -170,6 +170,9 @@ def test_a_given_option_reaches_its_setting() -> None:
         (["drift", "--chunk-sizes", "0"], "--chunk-sizes"),
         (["bench", "kvm", "--head-dim", "2"], "--head-dim"),
         (["bench", "train", "--repeats", "0"], "--repeats"),
+        # refused by the config an option feeds (KVMFoldConfig), named as that option
+        (["niah", "--methods", "kvm-fold", "--kvm-growth-factor", "-1"], "--kvm-growth-factor"),
+        (["niah", "--methods", "kvm-fold", "--kvm-merge-threshold", "2"], "--kvm-merge-threshold"),
     ],
 )
 def test_a_bad_value_is_refused_naming_its_option(

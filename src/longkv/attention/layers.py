@@ -48,27 +48,28 @@ class AttentionConfig:
     value_residual: bool = False
 
     def __post_init__(self) -> None:
-        require_at_least(1, "AttentionConfig", self, "d_model", "n_heads")
+        require_at_least(1, self, "d_model", "n_heads")
         require(
             self.kv_heads >= 1 and self.n_heads % self.kv_heads == 0,
-            "AttentionConfig.n_kv_heads",
+            self,
+            "n_kv_heads",
             f"must divide n_heads = {self.n_heads}, got {self.n_kv_heads}",
         )
         require(
             self.head_dim is not None or self.d_model % self.n_heads == 0,
-            "AttentionConfig.head_dim",
+            self,
+            "head_dim",
             f"is None but n_heads = {self.n_heads} does not divide d_model = {self.d_model}; "
             "set head_dim explicitly",
         )
-        require(self.dim >= 1, "AttentionConfig.head_dim", f"must be >= 1, got {self.head_dim}")
+        require(self.dim >= 1, self, "head_dim", f"must be >= 1, got {self.head_dim}")
         require(
             self.rotary == 0 or (0 < self.rotary <= self.dim and self.rotary % 2 == 0),
-            "AttentionConfig.rope_dim",
+            self,
+            "rope_dim",
             f"must be an even number in [0, head_dim = {self.dim}], got {self.rope_dim}",
         )
-        require(
-            self.rope_base > 0, "AttentionConfig.rope_base", f"must be > 0, got {self.rope_base}"
-        )
+        require(self.rope_base > 0, self, "rope_base", f"must be > 0, got {self.rope_base}")
 
     @property
     def kv_heads(self) -> int:

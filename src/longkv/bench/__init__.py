@@ -17,9 +17,10 @@ def threads_setting() -> Any:
     return setting(None, THREADS_HELP)
 
 
-def check_threads(owner: str, threads: int | None) -> None:
-    """SettingError on owner.threads unless it is None or >= 1."""
-    require(threads is None or threads >= 1, f"{owner}.threads", f"must be >= 1, got {threads}")
+def check_threads(owner: object) -> None:
+    """Refuse the `threads` setting of owner unless it is None or >= 1."""
+    threads = owner.threads  # type: ignore[attr-defined]
+    require(threads is None or threads >= 1, owner, "threads", f"must be >= 1, got {threads}")
 
 
 def use_threads(threads: int | None) -> None:

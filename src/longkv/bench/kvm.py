@@ -77,15 +77,16 @@ class BenchSettings:
     name: str = setting("bench_kvm", "file name stem of the results")
 
     def __post_init__(self) -> None:
-        require_known("BenchSettings.methods", self.methods, sorted(METHODS))
+        require_known(self, "methods", self.methods, sorted(METHODS))
         require(
             self.dtype in DTYPES,
-            "BenchSettings.dtype",
+            self,
+            "dtype",
             f"must be one of {sorted(DTYPES)}, got {self.dtype!r}",
         )
-        require_at_least(1, "BenchSettings", self, "lengths", "repeats", "batch", "heads")
-        check_threads("BenchSettings", self.threads)
-        require_at_least(4, "BenchSettings", self, "head_dim")
+        require_at_least(1, self, "lengths", "repeats", "batch", "heads")
+        check_threads(self)
+        require_at_least(4, self, "head_dim")
 
     @property
     def shape(self) -> Shape:

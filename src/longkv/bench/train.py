@@ -52,11 +52,9 @@ class TrainBenchSettings:
     name: str = setting("bench_train", "file name stem of the results")
 
     def __post_init__(self) -> None:
-        require_known("TrainBenchSettings.variants", self.variants, list(VARIANTS))
-        require_at_least(
-            1, "TrainBenchSettings", self, "contexts", "batch", "repeats", "vocab_size"
-        )
-        check_threads("TrainBenchSettings", self.threads)
+        require_known(self, "variants", self.variants, list(VARIANTS))
+        require_at_least(1, self, "contexts", "batch", "repeats", "vocab_size")
+        check_threads(self)
 
 
 def variant_config(variant: str, vocab_size: int) -> LongKVConfig:

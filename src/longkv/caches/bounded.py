@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 
 from longkv.attention.rope import angles_at, rotate
-from longkv.checks import require, setting
+from longkv.checks import refuse, require, setting
 from longkv.fold import compat
 from longkv.fold.attention import AttentionHooks, hooked
 from longkv.fold.fold import FoldResult, check_input, score_chunks
@@ -32,51 +32,55 @@ from longkv.fold.generate import greedy_decode
 STATIC_ROPE = {"default", "linear", "llama3", "yarn"}
 
 
-def budget_refusal(model: nn.Module, budget: int) -> str | None:
-    """Why a cache of `budget` entries does not fit the model's positions, or None.
+def check_budget(model: nn.Module, budget: int) -> None:
+    """Refuse the argument `budget` unless a cache of budget entries fits the model's positions.
 
     A bounded cache places its entries and the chunk it reads at positions 0 .. budget - 1,
     never past them, so this is the only position limit it has (it never extrapolates).
     """
     limit = getattr(model.config, "max_position_embeddings", None)
-    if limit is None or budget <= limit:
-        return None
-    return (
-        f"a budget of {budget} cache positions exceeds the model's "
-        f"max_position_embeddings = {limit}"
-    )
+    require(
+        limit is None or budget <= limit,
+        None, "budget",
+        f"a budget of {budget} cache positions exceeds the model's max_position_embeddings = "
+        f"{limit}; use a smaller budget",
+    )  # fmt: skip
 
 
 def check_bounded(model: nn.Module, budget: int, method: str) -> Tensor:
-    """Raise ValueError unless a cache of `budget` entries with positions inside it (the
-    `method`) can run on the model; return its RoPE inv_freq."""
+    """Refuse the argument `model` (or `budget`) unless a cache of `budget` entries with
+    positions inside it (the `method`) can run on the model; return its RoPE inv_freq."""
     if not compat.keeps_keys_and_values(model):
-        raise ValueError(
-            f"model: {method} evicts and re-rotates per-layer cached keys and values, but "
+        refuse(
+            None,
+            "model",
+            f"{method} evicts and re-rotates per-layer cached keys and values, but "
             f"{type(model).__name__} carries KVM states and window caches instead; run it with "
-            "KV-Fold (its own chunked prefill) or full attention"
+            "KV-Fold (its own chunked prefill) or full attention",
         )
     config = model.config
     rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
     inv_freq = getattr(rotary, "inv_freq", None)
     rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
     if inv_freq is None or rope_type not in STATIC_ROPE:
-        raise ValueError(
-            f"model: {method} re-rotates cached keys, which needs one static RoPE "
+        refuse(
+            None,
+            "model",
+            f"{method} re-rotates cached keys, which needs one static RoPE "
             f"(model.model.rotary_emb.inv_freq, rope_type in {sorted(STATIC_ROPE)}); "
             f"{type(model).__name__} has rope_type {rope_type!r} and "
-            f"{'no' if inv_freq is None else 'an'} inv_freq (learned positions cannot be moved)"
+            f"{'no' if inv_freq is None else 'an'} inv_freq (learned positions cannot be moved)",
         )
-    refusal = budget_refusal(model, budget)
-    if refusal is not None:
-        raise ValueError(f"budget: {refusal}; use a smaller budget")
+    check_budget(model, budget)
     layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
     sliding = getattr(config, "sliding_window", None)
     if layer_types != {"full_attention"} or (sliding is not None and budget > sliding):
-        raise ValueError(
-            f"model: has sliding-window layers ({sorted(layer_types)}, sliding_window={sliding}) "
+        refuse(
+            None,
+            "model",
+            f"has sliding-window layers ({sorted(layer_types)}, sliding_window={sliding}) "
             f"that would cut the cache of {budget} entries; use a model with full attention "
-            "layers or a budget inside the sliding window"
+            "layers or a budget inside the sliding window",
         )
     return inv_freq.detach().to(torch.float64)
 
@@ -93,30 +97,34 @@ class BoundedConfig:
     )  # fmt: skip
 
     def __post_init__(self) -> None:
-        name = type(self).__name__
         require(
             isinstance(self.budget, int) and self.budget >= 1,
-            f"{name}.budget",
+            self,
+            "budget",
             f"must be an int >= 1, got {self.budget!r}",
         )
         require(
             isinstance(self.sinks, int) and self.sinks >= 0,
-            f"{name}.sinks",
+            self,
+            "sinks",
             f"must be an int >= 0, got {self.sinks!r}",
         )
         require(
             self.window is None or (isinstance(self.window, int) and self.window >= 1),
-            f"{name}.window",
+            self,
+            "window",
             f"must be None (half the budget) or an int >= 1, got {self.window!r}",
         )
         require(
             self.window_len >= 1,
-            f"{name}.window",
+            self,
+            "window",
             f"the window must hold at least one token; the budget {self.budget} is too small",
         )
         require(
             self.middle_len >= 0,
-            f"{name}.window",
+            self,
+            "window",
             f"sinks {self.sinks} + window {self.window_len} exceed the budget {self.budget}",
         )
 
@@ -124,7 +132,8 @@ class BoundedConfig:
         """SettingError unless the budget leaves entries for the tokens that leave the window."""
         require(
             self.middle_len >= 1,
-            f"{type(self).__name__}.window",
+            self,
+            "window",
             f"sinks {self.sinks} + window {self.window_len} leave no entries of the budget "
             f"{self.budget} for the tokens that leave the window; lower them or raise the budget",
         )

@@ -35,12 +35,14 @@ class SnapKVConfig(BoundedConfig):
         self.require_middle()
         require(
             isinstance(self.observe, int) and self.observe >= 1,
-            "SnapKVConfig.observe",
+            self,
+            "observe",
             f"must be an int >= 1, got {self.observe!r}",
         )
         require(
             isinstance(self.pool, int) and self.pool >= 1 and self.pool % 2 == 1,
-            "SnapKVConfig.pool",
+            self,
+            "pool",
             f"must be an odd int >= 1 (the pool is centred on each entry), got {self.pool!r}",
         )
 

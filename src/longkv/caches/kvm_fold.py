@@ -25,7 +25,7 @@ from longkv.caches.kvm_state import (
     read_slots,
     update_state,
 )
-from longkv.checks import require, setting
+from longkv.checks import refused_as, require, setting
 from longkv.fold.attention import AttentionHooks
 from longkv.kvm.config import BudgetRule, desired_state_len
 
@@ -63,14 +63,16 @@ class KVMFoldConfig(BoundedConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.require_middle()
-        require(self.state in STATES, "KVMFoldConfig.state", f"must be one of {STATES}")
-        require(self.readout in READOUTS, "KVMFoldConfig.readout", f"must be one of {READOUTS}")
+        require(self.state in STATES, self, "state", f"must be one of {STATES}")
+        require(self.readout in READOUTS, self, "readout", f"must be one of {READOUTS}")
         require(
             self.merge_threshold is None or -1 <= self.merge_threshold <= 1,
-            "KVMFoldConfig.merge_threshold",
+            self,
+            "merge_threshold",
             f"a cosine similarity lies in [-1, 1], got {self.merge_threshold!r}",
         )
-        self.budget_rule  # noqa: B018  (growth_factor and saturation_n checked there)
+        with refused_as(self):  # growth_factor and saturation_n are checked by the rule
+            self.budget_rule  # noqa: B018
 
     def describe(self) -> str:
         growth = {
@@ -97,7 +99,7 @@ class KVMFoldConfig(BoundedConfig):
         return BudgetRule(
             budget="power_law" if self.state == "sqrt" else self.state,  # type: ignore[arg-type]
             state_min_len=self.middle_len if fixed else 1, growth_factor=self.growth_factor,
-            saturation_n=self.saturation_n, cap=self.middle_len, owner="KVMFoldConfig",
+            saturation_n=self.saturation_n, cap=self.middle_len,
         )  # fmt: skip
 
 

@@ -16,28 +16,17 @@ from longkv.caches.bounded import (
     BoundedConfig,
     BoundedRunner,
     bounded_fold,
-    budget_refusal,
     check_bounded,
+    check_budget,
 )
 from longkv.caches.eviction import SnapKVConfig, SnapKVRunner
 from longkv.caches.kvm_fold import STATES, KVMFoldConfig, KVMFoldRunner
 from longkv.caches.streaming import StreamingRunner
-from longkv.checks import SettingError, mirror, require, require_at_least, setting
+from longkv.checks import mirror, refused_as, require, require_at_least, setting
 from longkv.fold.fold import FoldResult
 
 BOUNDED = ("streaming", "snapkv", "kvm-fold")
 METHODS = ("full", "fold", *BOUNDED)
-# the option behind each field of a bounded method's config
-OPTION_OF = {
-    "budget": "budgets",
-    "sinks": "sinks",
-    "window": "window",
-    "state": "kvm_states",
-    "growth_factor": "kvm_growth_factor",
-    "readout": "kvm_readout",
-    "count_bias": "kvm_count_bias",
-    "merge_threshold": "kvm_merge_threshold",
-}
 
 
 @dataclass(frozen=True)
@@ -48,16 +37,21 @@ class BoundedOptions:
         (1024,),
         "entries per layer and KV head of the bounded methods (streaming, snapkv, kvm-fold), "
         "each run once per budget",
+        feeds=(BoundedConfig, "budget"),
     )
-    sinks: int = setting(4, "first tokens the bounded methods keep")
+    sinks: int = setting(4, "first tokens the bounded methods keep", feeds=(BoundedConfig, "sinks"))
     window: int | None = setting(
         None,
         "recent tokens snapkv and kvm-fold keep exactly, the chunk included (default: half the "
         "budget); streaming keeps budget - sinks",
+        feeds=(BoundedConfig, "window"),
     )
     stream_chunk: int = setting(64, "chunk of the bounded methods (1 = token by token)")
     kvm_states: tuple[str, ...] = setting(
-        ("fixed",), "state budgets of kvm-fold, each run once", choices=STATES
+        ("fixed",),
+        "state budgets of kvm-fold, each run once",
+        choices=STATES,
+        feeds=(KVMFoldConfig, "state"),
     )
     kvm_growth_factor: float = mirror(KVMFoldConfig, "growth_factor", "kvm-fold ")
     kvm_readout: str = mirror(KVMFoldConfig, "readout", "kvm-fold: ")
@@ -65,47 +59,42 @@ class BoundedOptions:
     kvm_merge_threshold: float | None = mirror(KVMFoldConfig, "merge_threshold", "kvm-fold: ")
 
     def bounded_configs(self, methods: tuple[str, ...]) -> dict[str, BoundedConfig]:
-        """The config of every bounded run of `methods`, by label; a bad option is a
-        SettingError naming it."""
-        owner = type(self).__name__
-        require_at_least(1, owner, self, "budgets", "stream_chunk")
-        require_at_least(0, owner, self, "sinks")
+        """The config of every bounded run of `methods`, by label; a bad option is refused,
+        also where a config refuses the value the option feeds it."""
+        require_at_least(1, self, "budgets", "stream_chunk")
+        require_at_least(0, self, "sinks")
         require(
             self.window is None or self.window >= 1,
-            f"{owner}.window",
+            self,
+            "window",
             f"must be >= 1 (or unset: half the budget), got {self.window}",
         )
         configs: dict[str, BoundedConfig] = {}
         for budget in self.budgets:
-            try:
-                if "streaming" in methods:
-                    require(
-                        budget > self.sinks,
-                        f"{owner}.budgets",
-                        f"{budget} leaves no window for streaming beside {self.sinks} sinks",
-                    )
-                    configs[f"streaming@{budget}"] = BoundedConfig(
-                        budget=budget, sinks=self.sinks, window=budget - self.sinks
-                    )
-                if "snapkv" in methods:
-                    configs[f"snapkv@{budget}"] = SnapKVConfig(
-                        budget=budget, sinks=self.sinks, window=self.window
-                    )
-                for state in self.kvm_states if "kvm-fold" in methods else ():
-                    configs[f"kvm-fold/{state}@{budget}"] = KVMFoldConfig(
-                        budget=budget, sinks=self.sinks, window=self.window, state=state,
-                        growth_factor=self.kvm_growth_factor, readout=self.kvm_readout,
-                        count_bias=self.kvm_count_bias, merge_threshold=self.kvm_merge_threshold,
-                    )  # fmt: skip
-            except SettingError as err:
-                if err.field.startswith(owner):
-                    raise
-                option = OPTION_OF[err.field.split(".")[-1]]
-                raise SettingError(f"{owner}.{option}", f"budget {budget}: {err.message}") from err
+            if "streaming" in methods:
+                require(
+                    budget > self.sinks,
+                    self, "budgets",
+                    f"{budget} leaves no window for streaming beside {self.sinks} sinks",
+                )  # fmt: skip
+                configs[f"streaming@{budget}"] = BoundedConfig(
+                    budget=budget, sinks=self.sinks, window=budget - self.sinks
+                )
+            if "snapkv" in methods:
+                configs[f"snapkv@{budget}"] = SnapKVConfig(
+                    budget=budget, sinks=self.sinks, window=self.window
+                )
+            for state in self.kvm_states if "kvm-fold" in methods else ():
+                configs[f"kvm-fold/{state}@{budget}"] = KVMFoldConfig(
+                    budget=budget, sinks=self.sinks, window=self.window, state=state,
+                    growth_factor=self.kvm_growth_factor, readout=self.kvm_readout,
+                    count_bias=self.kvm_count_bias, merge_threshold=self.kvm_merge_threshold,
+                )  # fmt: skip
         for label, config in configs.items():
             require(
                 self.stream_chunk <= config.window_len,
-                f"{owner}.stream_chunk",
+                self,
+                "stream_chunk",
                 f"{self.stream_chunk} exceeds the window of {label} ({config.window_len} tokens)",
             )
         return configs
@@ -114,19 +103,13 @@ class BoundedOptions:
         """`bounded_configs`, after a SettingError unless every bounded run fits the model: its
         budget within the model's positions (on `budgets`), the model one a bounded cache can
         run (on `methods`)."""
-        owner = type(self).__name__
         configs = self.bounded_configs(methods)
         for label, config in configs.items():
-            refusal = budget_refusal(model, config.budget)
-            require(refusal is None, f"{owner}.budgets", f"{label}: {refusal}")
-            try:
+            with refused_as(self, "budgets", f"{label}: {{}}"):
+                check_budget(model, config.budget)
+            cannot = f"{method_of(label)} cannot run on this model ({{}}); leave it out, e.g. "
+            with refused_as(self, "methods", cannot + "--methods full fold"):
                 check_bounded(model, config.budget, label)
-            except ValueError as err:
-                raise SettingError(
-                    f"{owner}.methods",
-                    f"{method_of(label)} cannot run on this model ({err}); leave it out, e.g. "
-                    "--methods full fold",
-                ) from err
         return configs
 
     def labels(self, methods: tuple[str, ...]) -> list[str]:

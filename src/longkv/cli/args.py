@@ -52,16 +52,28 @@ def shown(value: Any) -> str:
 
 @dataclass
 class Declared:
-    """What a command's parser was made from: its settings classes and the flag of each field."""
+    """What a command's parser was made from: its settings classes, the flag of each field,
+    and the fields of other settings classes that options feed."""
 
     parser: argparse.ArgumentParser
     classes: list[type] = field(default_factory=list)
-    flags: dict[str, str] = field(default_factory=dict)  # "Owner.field" -> "--field"
+    flags: dict[tuple[type, str], str] = field(default_factory=dict)  # (class, field) -> flag
+    feeds: list[tuple[type, str, str]] = field(default_factory=list)  # (class, field, flag)
+
+    def flag_of(self, err: SettingError) -> str | None:
+        """The option that set the refused field, or that feeds it; None if none did."""
+        if err.owner is None:
+            return None
+        for cls in err.owner.__mro__:  # a field a settings class inherited
+            if (cls, err.name) in self.flags:
+                return self.flags[cls, err.name]
+        fed = (f for cls, name, f in self.feeds if name == err.name and issubclass(err.owner, cls))
+        return next(fed, None)
 
     def explain(self, err: SettingError) -> str | None:
         """The error as the command line reports it, naming the option; None if no option
         of this command set the field."""
-        flag = self.flags.get(err.field)
+        flag = self.flag_of(err)
         if flag is None:
             return None
         return (
@@ -104,7 +116,9 @@ def add_settings(parser: argparse.ArgumentParser, cls: type) -> None:
                 options["help"] += f" (choices: {shown(choices)})"
                 options["metavar"] = f.name.upper()
             parser.add_argument(flag, type=kind, choices=choices, **options)
-        spec.flags[owner] = flag
+        spec.flags[cls, f.name] = flag
+        if f.metadata.get("feeds") is not None:
+            spec.feeds.append((*f.metadata["feeds"], flag))
     spec.classes.append(cls)
 
 

@@ -56,7 +56,7 @@ class BoundedStudyOptions:
     )
 
     def __post_init__(self) -> None:
-        require_at_least(1, "BoundedStudyOptions", self, "nll_tokens")
+        require_at_least(1, self, "nll_tokens")
 
 
 def configure(name: str, parser: argparse.ArgumentParser) -> None:
@@ -109,7 +109,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     check_grid(model, s, m.allow_extrapolation)
     longest = max(o.nll_tokens)
     require_positions(
-        model, longest, "BoundedStudyOptions.nll_tokens", f"{longest} tokens",
+        model, longest, o, "nll_tokens", f"{longest} tokens",
         m.allow_extrapolation,
     )  # fmt: skip
     reused: list[NiahRecord] = []

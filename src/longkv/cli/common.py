@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
-from longkv.checks import require, setting
+from longkv.checks import refused_as, setting
 from longkv.data.corpus import text_tokens
 from longkv.dtypes import DTYPES
-from longkv.fold.fold import CLI_SWITCH, position_refusal
+from longkv.fold.fold import CLI_SWITCH, check_positions
 from longkv.models.pretrained import DEFAULT_MODEL, load_pretrained
 from longkv.results import OUT_DIR, OUT_DIR_HELP
 
@@ -62,11 +62,13 @@ def input_device(model: torch.nn.Module) -> torch.device:
 
 
 def require_positions(
-    model: torch.nn.Module, needed: int, field: str, what: str, allow_extrapolation: bool
-) -> None:
-    """SettingError on field unless the model can run `needed` positions: within its
-    max_position_embeddings, or past them for a RoPE model with --allow-extrapolation."""
-    refusal = position_refusal(
-        model, needed, allow_extrapolation=allow_extrapolation, switch=CLI_SWITCH
-    )
-    require(refusal is None, field, f"{what} take {needed} positions, {refusal}")
+    model: torch.nn.Module, needed: int, owner: object, name: str, what: str,
+    allow_extrapolation: bool,
+) -> None:  # fmt: skip
+    """Refuse setting `name` of owner unless the model can run `needed` positions (`what`
+    takes them): within its max_position_embeddings, or past them for a RoPE model with
+    --allow-extrapolation."""
+    with refused_as(owner, name):
+        check_positions(
+            model, needed, what, allow_extrapolation=allow_extrapolation, switch=CLI_SWITCH
+        )

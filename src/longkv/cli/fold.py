@@ -8,7 +8,7 @@ from pathlib import Path
 
 from longkv.bench.compare import compare_methods, markdown_rows
 from longkv.caches.methods import METHODS, BoundedOptions, describe_runs
-from longkv.checks import require, require_at_least, setting
+from longkv.checks import refused_as, require_at_least, setting
 from longkv.cli.args import add_settings
 from longkv.cli.common import ModelOptions, dtype_setting, require_positions
 from longkv.data.corpus import DEFAULT_TEXT
@@ -18,9 +18,9 @@ from longkv.fold.drift_grid import drift_grid, drift_runs, write_drift_page
 from longkv.fold.variants import (
     VARIANT_HELP,
     VARIANTS,
+    check_variant,
     inserted_positions,
     require_variants,
-    variant_refusal,
 )
 from longkv.results import provenance, write_report
 
@@ -33,7 +33,7 @@ class TextOptions:
     text: str = setting(DEFAULT_TEXT, "corpus file to read the tokens from")
 
     def __post_init__(self) -> None:
-        require_at_least(1, type(self).__name__, self, "tokens")
+        require_at_least(1, self, "tokens")
 
 
 @dataclass(frozen=True)
@@ -51,8 +51,8 @@ class FoldOptions(BoundedOptions, TextOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require_at_least(1, "FoldOptions", self, "chunk_size", "repeats")
-        require_variants("FoldOptions.variant", self.variant)
+        require_at_least(1, self, "chunk_size", "repeats")
+        require_variants(self, "variant", self.variant)
         self.bounded_configs(self.methods)
 
 
@@ -74,8 +74,8 @@ class DriftOptions(TextOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require_at_least(1, "DriftOptions", self, "chunk_sizes")
-        require_variants("DriftOptions.variants", *self.variants)
+        require_at_least(1, self, "chunk_sizes")
+        require_variants(self, "variants", *self.variants)
 
 
 def configure(name: str, parser: argparse.ArgumentParser) -> None:
@@ -93,11 +93,11 @@ def run_fold(args: argparse.Namespace, argv: list[str]) -> int:
     m, o = args.settings[ModelOptions], args.settings[FoldOptions]
     model, tokenizer = m.load(o.dtype)
     if "fold" in o.methods:
-        refusal = variant_refusal(o.variant, model)
-        require(refusal is None, "FoldOptions.variant", str(refusal))
+        with refused_as(o, "variant"):
+            check_variant(o.variant, model)
     inserted = inserted_positions(o.variant, o.tokens, o.chunk_size) if "fold" in o.methods else 0
     require_positions(
-        model, o.tokens + inserted, "FoldOptions.tokens",
+        model, o.tokens + inserted, o, "tokens",
         f"{o.tokens} tokens" + (" and the fold's BOS before every chunk" if inserted else ""),
         m.allow_extrapolation,
     )  # fmt: skip
@@ -124,11 +124,11 @@ def run_fold(args: argparse.Namespace, argv: list[str]) -> int:
 def run_drift(args: argparse.Namespace, argv: list[str]) -> int:
     m, o = args.settings[ModelOptions], args.settings[DriftOptions]
     model, tokenizer = m.load("fp32")
-    runs, skipped = drift_runs(model, o.dtypes, o.chunk_sizes, o.variants, "DriftOptions.variants")
+    runs, skipped = drift_runs(model, o.dtypes, o.chunk_sizes, o.variants, o)
     # the smallest chunk inserts the most
     inserted = max(inserted_positions(v, o.tokens, min(o.chunk_sizes)) for v in o.variants)
     require_positions(
-        model, o.tokens + inserted, "DriftOptions.tokens", f"{o.tokens} tokens and their prefixes",
+        model, o.tokens + inserted, o, "tokens", f"{o.tokens} tokens and their prefixes",
         m.allow_extrapolation,
     )  # fmt: skip
     ids = m.token_ids(model, tokenizer, o.tokens, o.text)

@@ -45,7 +45,7 @@ class EvalOptions:
     batches: int = setting(16, "held-out batches scored")
 
     def __post_init__(self) -> None:
-        require_at_least(1, "EvalOptions", self, "batches")
+        require_at_least(1, self, "batches")
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ class GenerateOptions:
     seed: int = setting(0, "seed of the sampling")
 
     def __post_init__(self) -> None:
-        require_at_least(1, "GenerateOptions", self, "max_new_tokens")
+        require_at_least(1, self, "max_new_tokens")
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ class CompareOptions:
     name: str = setting("compare_runs", "file name stem of the results")
 
     def __post_init__(self) -> None:
-        require_at_least(1, "CompareOptions", self, "batches")
+        require_at_least(1, self, "batches")
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ class TokenizerOptions:
     every: int = setting(20, "every n-th document is held out, never seen")
 
     def __post_init__(self) -> None:
-        require_at_least(1, "TokenizerOptions", self, "vocab_size", "min_frequency", "every")
+        require_at_least(1, self, "vocab_size", "min_frequency", "every")
 
 
 def configure(name: str, parser: argparse.ArgumentParser) -> None:

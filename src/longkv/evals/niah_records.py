@@ -37,14 +37,15 @@ class NiahSettings(BoundedOptions):
     max_new_tokens: int = setting(32, "greedy answer tokens at most")
 
     def __post_init__(self) -> None:
-        require_known("NiahSettings.tasks", self.tasks, TASKS)
-        require_known("NiahSettings.methods", self.methods, METHODS)
+        require_known(self, "tasks", self.tasks, TASKS)
+        require_known(self, "methods", self.methods, METHODS)
         at_least_one = ("lengths", "samples", "chunk_size", "max_new_tokens")
-        require_at_least(1, "NiahSettings", self, *at_least_one)
-        require_variants("NiahSettings.variant", self.variant)
+        require_at_least(1, self, *at_least_one)
+        require_variants(self, "variant", self.variant)
         require(
             all(0 <= d <= 1 for d in self.depths),
-            "NiahSettings.depths",
+            self,
+            "depths",
             f"must lie in [0, 1], got {self.depths}",
         )
         self.bounded_configs(self.methods)

@@ -65,7 +65,8 @@ def reusable_records(path: Path, s: NiahSettings) -> tuple[list[NiahRecord], dic
     )
     require(
         not differ,
-        "NiahSettings.methods",
+        NiahSettings,
+        "methods",
         f"{path} answered another grid or other method options ({differ} differ); its answers "
         "cannot be reused",
     )

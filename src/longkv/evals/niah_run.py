@@ -23,11 +23,11 @@ from tqdm import tqdm
 from longkv.caches.bounded import bounded_generate
 from longkv.caches.kvm_fold import KVMFoldRunner
 from longkv.caches.methods import make_runner
-from longkv.checks import SettingError, require
+from longkv.checks import refuse, refused_as
 from longkv.evals.niah import ANSWER_BUDGET, NiahSample, answer_span, make_sample, sample_score
 from longkv.evals.niah_records import NiahRecord, NiahRun, NiahSettings
 from longkv.evals.niah_resume import saved_records
-from longkv.fold.fold import CLI_SWITCH, check_foldable, position_refusal
+from longkv.fold.fold import CLI_SWITCH, check_foldable, check_positions
 from longkv.fold.generate import fold_generate
 from longkv.fold.variants import check_variant, inserted_positions
 
@@ -133,7 +133,7 @@ def check_grid(model: nn.Module, s: NiahSettings, allow_extrapolation: bool = Fa
     at its lengths; ValueError if it cannot run a method at all. Nothing is run.
 
     Full attention and the fold run past max_position_embeddings only on a RoPE model with
-    allow_extrapolation (`position_refusal`); a bounded cache never does."""
+    allow_extrapolation (`check_positions`); a bounded cache never does."""
     if {"full", "fold"} & set(s.methods):
         # the prompt (length - ANSWER_BUDGET tokens), then all but the last answer token
         n = max(s.lengths)
@@ -147,16 +147,14 @@ def check_grid(model: nn.Module, s: NiahSettings, allow_extrapolation: bool = Fa
         what = "the prompt, then the answer" + (
             ", and the fold's BOS before every chunk" if inserted else ""
         )
-        refusal = position_refusal(
-            model, needed, allow_extrapolation=allow_extrapolation, switch=CLI_SWITCH
-        )
-        require(
-            refusal is None,
-            "NiahSettings.lengths",
-            f"{n} takes {needed} positions under full attention and the fold ({what}), {refusal}",
-        )
+        with refused_as(s, "lengths"):
+            check_positions(
+                model, needed, f"{n} under full attention and the fold ({what})",
+                allow_extrapolation=allow_extrapolation, switch=CLI_SWITCH,
+            )  # fmt: skip
         if "fold" in s.methods:
-            check_variant(s.variant, model)
+            with refused_as(s, "variant"):
+                check_variant(s.variant, model)
         check_foldable(model, needed, allow_extrapolation=allow_extrapolation)
     s.check_runs(model, s.methods)
 
@@ -173,5 +171,5 @@ def build_samples(
                 task, tokenizer, n, d, seed, corpus_dir=corpus_dir
             )
         except ValueError as err:
-            raise SettingError("NiahSettings.lengths", f"{n} for {task}: {err}") from err
+            refuse(NiahSettings, "lengths", f"{n} for {task}: {err}")
     return samples

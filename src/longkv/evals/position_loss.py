@@ -14,6 +14,8 @@ from itertools import pairwise
 import torch
 from torch import Tensor
 
+from longkv.checks import require
+
 
 def position_nll(logits: Tensor, targets: Tensor) -> Tensor:
     """(T,) float64: the NLL of targets (B, T) under logits (B, T, V) at each position, averaged
@@ -36,16 +38,24 @@ class PositionBucket:
     loss: float
 
 
-def check_edges(edges: Sequence[int], length: int, name: str = "edges") -> list[int]:
-    """The edges as a list: at least two, strictly increasing, in [0, length]."""
+def check_edges(
+    edges: Sequence[int], length: int, owner: object = None, name: str = "edges"
+) -> list[int]:
+    """The edges as a list: at least two, strictly increasing, in [0, length]; else refuse
+    setting `name` of owner (by default the argument `edges`)."""
     edges = list(edges)
-    if len(edges) < 2 or any(a >= b for a, b in pairwise(edges)) or edges[0] < 0:
-        raise ValueError(
-            f"{name}: needs at least two strictly increasing positions >= 0, got {edges}; "
-            "e.g. [0, 256, 1024, 4096]"
-        )
-    if edges[-1] > length:
-        raise ValueError(f"{name}: the last edge {edges[-1]} is past the {length} positions")
+    require(
+        len(edges) >= 2 and all(a < b for a, b in pairwise(edges)) and edges[0] >= 0,
+        owner, name,
+        f"needs at least two strictly increasing positions >= 0, got {edges}; "
+        "e.g. [0, 256, 1024, 4096]",
+    )  # fmt: skip
+    require(
+        edges[-1] <= length,
+        owner,
+        name,
+        f"the last edge {edges[-1]} is past the {length} positions",
+    )
     return edges
 
 

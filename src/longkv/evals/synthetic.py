@@ -76,29 +76,33 @@ class MQARConfig:
             value = getattr(self, name)
             require(
                 isinstance(value, int) and value >= low,
-                f"MQARConfig.{name}",
+                self,
+                name,
                 f"must be an int >= {low}, got {value!r}",
             )
         require(
             self.num_queries <= self.num_pairs,
-            "MQARConfig.num_queries",
+            self,
+            "num_queries",
             f"must be <= num_pairs = {self.num_pairs} (each query asks a distinct pair), got "
             f"{self.num_queries}; lower num_queries or raise num_pairs",
         )
         require(
             self.filler in FILLERS,
-            "MQARConfig.filler",
+            self,
+            "filler",
             f"must be one of {FILLERS}, got {self.filler!r}",
         )
         need = 2 * self.num_pairs + self.filler_vocab
         require(
             isinstance(self.vocab_size, int) and self.vocab_size >= need,
-            "MQARConfig.vocab_size",
+            self,
+            "vocab_size",
             f"must be >= 2 * num_pairs + filler_vocab = {need} (distinct keys and values per "
             f"row, disjoint from the filler ids), got {self.vocab_size!r}; raise vocab_size "
             "or lower num_pairs or filler_vocab",
         )
-        require(isinstance(self.seed, int), "MQARConfig.seed", f"must be an int, got {self.seed!r}")
+        require(isinstance(self.seed, int), self, "seed", f"must be an int, got {self.seed!r}")
 
     @property
     def key_vocab(self) -> int:
@@ -149,7 +153,8 @@ def make_mqar(config: MQARConfig, batch_size: int) -> MQARBatch:
     """A batch of `batch_size` MQAR rows drawn from `config.seed` (see the module doc)."""
     require(
         isinstance(batch_size, int) and batch_size >= 1,
-        "make_mqar.batch_size",
+        None,
+        "batch_size",
         f"must be an int >= 1, got {batch_size!r}",
     )
     c, b = config, batch_size

@@ -10,7 +10,7 @@ from typing import Any
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from longkv.checks import require
+from longkv.checks import SettingError, require
 from longkv.dtypes import DTYPES
 from longkv.fold.drift import (
     PLATEAU_FROM,
@@ -22,7 +22,7 @@ from longkv.fold.drift import (
     plot_drift,
 )
 from longkv.fold.fold import FoldResult
-from longkv.fold.variants import VARIANTS, variant_refusal
+from longkv.fold.variants import VARIANTS, check_variant
 from longkv.results import load_partial, save_partial, write_report
 
 Run = tuple[str, int, str]  # (dtype name, chunk size, variant)
@@ -30,19 +30,20 @@ Run = tuple[str, int, str]  # (dtype name, chunk size, variant)
 
 def drift_runs(
     model: nn.Module, dtypes: tuple[str, ...], chunk_sizes: tuple[int, ...],
-    variants: tuple[str, ...], field: str,
+    variants: tuple[str, ...], owner: object,
 ) -> tuple[list[Run], list[str]]:  # fmt: skip
     """The runs of the grid the model can make, and why any (dtype, variant) pair was left out
-    (`variant_refusal`); a SettingError on `field` if nothing is left."""
+    (`check_variant`); if nothing is left, a refusal of owner's `variants`."""
     runs, skipped = [], []
     for dtype in dtypes:
         for variant in variants:
-            refusal = variant_refusal(variant, model, DTYPES[dtype])
-            if refusal is None:
-                runs += [(dtype, size, variant) for size in chunk_sizes]
+            try:
+                check_variant(variant, model, DTYPES[dtype])
+            except SettingError as err:
+                skipped.append(f"{variant} in {dtype} ({err.message})")
             else:
-                skipped.append(f"{variant} in {dtype} ({refusal})")
-    require(bool(runs), field, f"nothing can run: {'; '.join(skipped)}")
+                runs += [(dtype, size, variant) for size in chunk_sizes]
+    require(bool(runs), owner, "variants", f"nothing can run: {'; '.join(skipped)}")
     return runs, skipped
 
 

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from tqdm import tqdm
 from transformers.cache_utils import Cache
 
+from longkv.checks import refuse
 from longkv.fold import compat
 from longkv.fold.attention import hooked
 from longkv.fold.variants import check_variant, variant_hooks
@@ -113,43 +114,44 @@ def check_foldable(model: nn.Module, T: int, *, allow_extrapolation: bool = Fals
             f"model: {type(model).__name__}.forward takes no `{compat.CACHE_ARG}` and "
             "`position_ids`; KV-Fold needs a model that uses the transformers cache API"
         )
-    refusal = position_refusal(model, T, allow_extrapolation=allow_extrapolation)
-    if refusal is not None:
-        raise ValueError(
-            f"input_ids: {T} positions (input, inserted prefixes, tokens to generate) are {refusal}"
-        )
+    check_positions(
+        model, T, "the input, inserted prefixes and tokens to generate",
+        allow_extrapolation=allow_extrapolation,
+    )  # fmt: skip
 
 
 # how the command line allows it: the --allow-extrapolation of longkv fold, drift and niah
 CLI_SWITCH = "pass --allow-extrapolation"
 
 
-def position_refusal(
+def check_positions(
     model: nn.Module,
     T: int,
+    what: str,
     *,
     allow_extrapolation: bool = False,
     switch: str = "pass allow_extrapolation=True",
-) -> str | None:
-    """Why the model cannot run T positions, or None if it can.
+) -> None:
+    """Refuse the argument input_ids unless the model can run T positions (`what` takes them).
 
     Past its max_position_embeddings only a rotary model (its config has `rope_parameters`)
     runs, and only with allow_extrapolation; `switch` says how to allow it where the refusal
     is read (the Python argument, or CLI_SWITCH).
     """
     limit = getattr(model.config, "max_position_embeddings", None)
-    if limit is None or T <= limit:
-        return None
     rotary = getattr(model.config, "rope_parameters", None) is not None
-    if rotary and allow_extrapolation:
-        return None
+    if limit is None or T <= limit or (rotary and allow_extrapolation):
+        return
     why = (
         f"positions past it were never trained; {switch} to run anyway"
         if rotary
         else "its positions are not rotary (learned, or not known to extrapolate), so "
         "positions past it do not exist"
     )
-    return f"more than the model's max_position_embeddings = {limit}; {why}"
+    refuse(
+        None, "input_ids",
+        f"{what} take {T} positions and the model has max_position_embeddings = {limit}; {why}",
+    )  # fmt: skip
 
 
 def check_input(input_ids: Tensor, chunk_size: int) -> None:

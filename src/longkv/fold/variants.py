@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from longkv.checks import require_known
+from longkv.checks import require, require_known
 from longkv.fold import compat
 from longkv.fold.attention import AttentionHooks
 
@@ -33,9 +33,9 @@ VARIANT_HELP = "how the fold departs from the exact fold: " + "; ".join(
 )
 
 
-def require_variants(field: str, *variants: str) -> None:
-    """SettingError on field ("Owner.name") unless every name is a variant."""
-    require_known(field, variants, list(VARIANTS))
+def require_variants(owner: object, name: str, *variants: str) -> None:
+    """Refuse setting `name` of owner unless every one of variants is a variant."""
+    require_known(owner, name, variants, list(VARIANTS))
 
 
 def inserted_positions(variant: str, tokens: int, chunk_size: int) -> int:
@@ -43,32 +43,27 @@ def inserted_positions(variant: str, tokens: int, chunk_size: int) -> int:
     return -(-tokens // chunk_size) if variant == "bos" else 0
 
 
-def variant_refusal(variant: str, model: nn.Module, dtype: torch.dtype | None = None) -> str | None:
-    """Why the variant cannot run, or would change nothing, on this model computing in dtype
-    (default: its parameters' dtype); None if it can run."""
-    if variant not in VARIANTS:
-        return f"{variant!r} is not one of {list(VARIANTS)}"
-    if variant == "bos" and getattr(model.config, "bos_token_id", None) is None:
-        return "'bos' needs the model's config.bos_token_id, which is None"
-    if variant_hooks(variant) is not None and not compat.keeps_keys_and_values(model):
-        return (
-            f"{variant!r} changes transformers' attention, which {type(model).__name__} does not "
-            "run (its cache holds KVM states)"
-        )
+def check_variant(variant: str, model: nn.Module, dtype: torch.dtype | None = None) -> None:
+    """Refuse the argument `variant` if it cannot run, or would change nothing, on this model
+    computing in dtype (default: its parameters' dtype)."""
+    require(variant in VARIANTS, None, "variant", f"{variant!r} is not one of {list(VARIANTS)}")
+    require(
+        variant != "bos" or getattr(model.config, "bos_token_id", None) is not None,
+        None, "variant", "'bos' needs the model's config.bos_token_id, which is None",
+    )  # fmt: skip
+    require(
+        variant_hooks(variant) is None or compat.keeps_keys_and_values(model),
+        None, "variant",
+        f"{variant!r} changes transformers' attention, which {type(model).__name__} does not "
+        "run (its cache holds KVM states)",
+    )  # fmt: skip
     dtype = next(model.parameters()).dtype if dtype is None else dtype
-    if variant == "bf16-cache" and dtype.itemsize <= torch.bfloat16.itemsize:
-        return (
-            "bf16-cache stores a wider model's cache in bfloat16; this model computes in "
-            f"{str(dtype).removeprefix('torch.')} already, so nothing would change"
-        )
-    return None
-
-
-def check_variant(variant: str, model: nn.Module) -> None:
-    """ValueError if the variant cannot run, or would change nothing, on this model."""
-    refusal = variant_refusal(variant, model)
-    if refusal is not None:
-        raise ValueError(f"variant: {refusal}")
+    require(
+        variant != "bf16-cache" or dtype.itemsize > torch.bfloat16.itemsize,
+        None, "variant",
+        "bf16-cache stores a wider model's cache in bfloat16; this model computes in "
+        f"{str(dtype).removeprefix('torch.')} already, so nothing would change",
+    )  # fmt: skip
 
 
 def variant_hooks(variant: str) -> AttentionHooks | None:

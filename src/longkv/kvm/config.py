@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import math
-from dataclasses import InitVar, dataclass
+from dataclasses import dataclass
 from typing import Literal
 
-from longkv.checks import require
+from longkv.checks import refused_as, require
 
 Budget = Literal["fixed", "power_law", "saturation"]
 BUDGETS: tuple[str, ...] = ("fixed", "power_law", "saturation")
@@ -19,7 +19,8 @@ class BudgetRule:
     budget: fixed (state_min_len slots), power_law (growth_factor * ctx ** growth_exponent) or
     saturation (saturation_n * ctx / (saturation_n + ctx)), the latter two rounded down to a
     multiple of round_down and at least state_min_len; cap: the most slots (None: no cap).
-    owner names the settings the rule was made from in its errors ("Owner.field").
+    A config that makes a rule reports the rule's refusals as its own fields of the same names
+    (`refused_as`).
     """
 
     budget: Budget
@@ -29,42 +30,48 @@ class BudgetRule:
     growth_exponent: float = 0.5
     round_down: int = 1
     cap: int | None = None
-    owner: InitVar[str] = "BudgetRule"
 
-    def __post_init__(self, owner: str) -> None:
+    def __post_init__(self) -> None:
         require(
             self.budget in BUDGETS,
-            f"{owner}.budget",
+            self,
+            "budget",
             f"must be one of {BUDGETS}, got {self.budget!r}",
         )
         require(
             isinstance(self.state_min_len, int) and self.state_min_len >= 1,
-            f"{owner}.state_min_len",
+            self,
+            "state_min_len",
             f"must be an int >= 1, got {self.state_min_len!r}",
         )
         require(
             math.isfinite(self.growth_factor) and self.growth_factor > 0,
-            f"{owner}.growth_factor",
+            self,
+            "growth_factor",
             f"must be a finite number > 0, got {self.growth_factor!r}; the paper uses 16",
         )
         require(
             0 < self.growth_exponent <= 1,
-            f"{owner}.growth_exponent",
+            self,
+            "growth_exponent",
             f"must lie in (0, 1], got {self.growth_exponent!r}; 0.5 gives a sqrt budget",
         )
         require(
             isinstance(self.saturation_n, int) and self.saturation_n >= 1,
-            f"{owner}.saturation_n",
+            self,
+            "saturation_n",
             f"must be an int >= 1, got {self.saturation_n!r}; the paper uses 1024",
         )
         require(
             isinstance(self.round_down, int) and self.round_down >= 1,
-            f"{owner}.round_down",
+            self,
+            "round_down",
             f"must be an int >= 1 (1 = no rounding), got {self.round_down!r}",
         )
         require(
             self.cap is None or (isinstance(self.cap, int) and self.cap >= 1),
-            f"{owner}.cap",
+            self,
+            "cap",
             f"must be None (no cap) or an int >= 1, got {self.cap!r}",
         )
 
@@ -97,34 +104,40 @@ class KVMConfig:
     def __post_init__(self) -> None:
         require(
             isinstance(self.chunk_len, int) and self.chunk_len > 0,
-            "KVMConfig.chunk_len",
+            self,
+            "chunk_len",
             f"must be a positive int, got {self.chunk_len!r}; use e.g. 256",
         )
         require(
             isinstance(self.window_chunks, int) and self.window_chunks >= 1,
-            "KVMConfig.window_chunks",
+            self,
+            "window_chunks",
             f"must be an int >= 1, got {self.window_chunks!r}; use e.g. 2",
         )
         require(
             isinstance(self.sink_len, int) and 0 <= self.sink_len < self.chunk_len,
-            "KVMConfig.sink_len",
+            self,
+            "sink_len",
             f"must be an int in [0, chunk_len - 1] = [0, {self.chunk_len - 1}] so that the "
             f"first chunk leaves a non-sink slot to merge into, got {self.sink_len!r}",
         )
         require(
             self.max_state_chunks is None
             or (isinstance(self.max_state_chunks, int) and self.max_state_chunks >= 1),
-            "KVMConfig.max_state_chunks",
+            self,
+            "max_state_chunks",
             f"must be None (no cap) or an int >= 1, got {self.max_state_chunks!r}",
         )
         require(
             isinstance(self.rope_dim, int) and self.rope_dim >= 0 and self.rope_dim % 2 == 0,
-            "KVMConfig.rope_dim",
+            self,
+            "rope_dim",
             f"must be an even int >= 0 (rotary channels come in pairs), got {self.rope_dim!r}",
         )
-        require(isinstance(self.use_vlens, bool), "KVMConfig.use_vlens", "must be a bool")
-        require(isinstance(self.gate_appends, bool), "KVMConfig.gate_appends", "must be a bool")
-        self.budget_rule  # noqa: B018  (the budget's fields are checked there)
+        require(isinstance(self.use_vlens, bool), self, "use_vlens", "must be a bool")
+        require(isinstance(self.gate_appends, bool), self, "gate_appends", "must be a bool")
+        with refused_as(self):  # the budget's fields are checked by its rule
+            self.budget_rule  # noqa: B018
 
     @property
     def budget_rule(self) -> BudgetRule:
@@ -134,7 +147,7 @@ class KVMConfig:
             budget=self.budget, state_min_len=self.state_min_len,
             growth_factor=self.growth_factor, growth_exponent=self.growth_exponent,
             saturation_n=self.saturation_n, round_down=self.round_down,
-            cap=None if chunks is None else self.chunk_len * chunks, owner="KVMConfig",
+            cap=None if chunks is None else self.chunk_len * chunks,
         )  # fmt: skip
 
     @property
@@ -144,12 +157,13 @@ class KVMConfig:
 
     def check_head_dim(self, head_dim: int) -> None:
         """Reject a rope_dim that leaves no non-rotary key channel (spec section 9.5)."""
-        if self.rope_dim >= head_dim:
-            raise ValueError(
-                f"KVMConfig.rope_dim: {self.rope_dim} >= key head dim {head_dim} would zero every "
-                f"state key channel and make all state keys identical; use rope_dim < {head_dim} "
-                "(the paper rotates half of a head)"
-            )
+        require(
+            self.rope_dim < head_dim,
+            self, "rope_dim",
+            f"{self.rope_dim} >= key head dim {head_dim} would zero every state key channel and "
+            f"make all state keys identical; use rope_dim < {head_dim} (the paper rotates half "
+            "of a head)",
+        )  # fmt: skip
 
     @classmethod
     def paper_fixed(cls, **overrides: object) -> KVMConfig:

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from longkv.attention.layers import AttentionConfig, AttentionLayer
+from longkv.checks import require
 from longkv.kvm.config import KVMConfig
 from longkv.kvm.functional import kvm_attention
 from longkv.kvm.state import KVMState
@@ -35,11 +36,12 @@ class KVMAttention(AttentionLayer):
         merge_gate: bool = True,
         head_temperatures: bool = True,
     ) -> None:
-        if config.rope_dim is not None and config.rope_dim != kvm.rope_dim:
-            raise ValueError(
-                f"AttentionConfig.rope_dim: {config.rope_dim} differs from KVMConfig.rope_dim "
-                f"{kvm.rope_dim}; leave it None, the KVM layer rotates kvm.rope_dim channels"
-            )
+        require(
+            config.rope_dim is None or config.rope_dim == kvm.rope_dim,
+            config, "rope_dim",
+            f"{config.rope_dim} differs from KVMConfig.rope_dim {kvm.rope_dim}; leave it None, "
+            "the KVM layer rotates kvm.rope_dim channels",
+        )  # fmt: skip
         config = replace(config, rope_dim=kvm.rope_dim)
         kvm.check_head_dim(config.dim)
         super().__init__(config)

@@ -99,31 +99,35 @@ class LongKVConfig(PreTrainedConfig):
     def validate_longkv(self) -> None:
         """Raise ValueError naming the field and the fix for any inconsistent setting."""
         require_at_least(
-            1, "LongKVConfig", self, "vocab_size", "n_layers", "mlp_ratio", "swa_window",
+            1, self, "vocab_size", "n_layers", "mlp_ratio", "swa_window",
             "bswa_chunk_len", "bswa_window_chunks", "rwkv_chunk_len",
         )  # fmt: skip
         require(
             self.mixer in MIXERS,
-            "LongKVConfig.mixer",
+            self,
+            "mixer",
             f"must be one of {MIXERS}, got {self.mixer!r}",
         )
         require(
             self.layout is None or len(self.layout) == self.n_layers,
-            "LongKVConfig.layout",
+            self,
+            "layout",
             f"needs one mixer per layer ({self.n_layers}), got {self.layout}",
         )
         bad = sorted(set(self.mixers) - set(MIXERS))
-        require(not bad, "LongKVConfig.layout", f"unknown mixers {bad}; choose from {MIXERS}")
+        require(not bad, self, "layout", f"unknown mixers {bad}; choose from {MIXERS}")
         known = {f.name for f in fields(KVMConfig)}
         require(
             set(self.kvm) <= known,
-            "LongKVConfig.kvm",
+            self,
+            "kvm",
             f"unknown KVMConfig fields {sorted(set(self.kvm) - known)}; use {sorted(known)}",
         )
         unknown = sorted(set(self.kvm_ablations) - set(ABLATIONS))
         require(
             not unknown,
-            "LongKVConfig.kvm_ablations",
+            self,
+            "kvm_ablations",
             f"unknown ablations {unknown}; choose from {ABLATIONS}",
         )
         self.attention_config()  # validates the shell
@@ -131,7 +135,8 @@ class LongKVConfig(PreTrainedConfig):
             self.kvm_config().check_head_dim(self.attention_config().dim)
         require(
             "rwkv7" not in self.mixers or self.n_kv_heads == self.n_heads,
-            "LongKVConfig.n_kv_heads",
+            self,
+            "n_kv_heads",
             f"rwkv7 layers have one key head per head: set it to n_heads = {self.n_heads} "
             f"(or None), got {self.n_kv_heads}",
         )

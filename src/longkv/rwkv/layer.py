@@ -41,7 +41,7 @@ class RWKV7Config:
     value_residual: bool = False
 
     def __post_init__(self) -> None:
-        require_at_least(1, "RWKV7Config", self, "d_model", "n_heads", "head_dim", "chunk_len")
+        require_at_least(1, self, "d_model", "n_heads", "head_dim", "chunk_len")
 
     @property
     def inner(self) -> int:

@@ -13,7 +13,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import yaml
@@ -55,19 +55,23 @@ def _tuples(obj: object, *names: str) -> None:
             object.__setattr__(obj, name, tuple(value))
 
 
-def _ints(name: str, values: tuple[Any, ...], low: int) -> None:
+def _ints(owner: object, name: str, low: int) -> None:
+    values = getattr(owner, name)
     require(
         isinstance(values, tuple)
         and len(values) > 0
         and all(isinstance(v, int) and v >= low for v in values),
+        owner,
         name,
         f"must be a non-empty list of ints >= {low}, got {values!r}",
     )
 
 
-def _fillers(name: str, values: tuple[Any, ...]) -> None:
+def _fillers(owner: object, name: str) -> None:
+    values = getattr(owner, name)
     require(
         isinstance(values, tuple) and len(values) > 0 and set(values) <= set(FILLERS),
+        owner,
         name,
         f"must be a non-empty list of {FILLERS}, got {values!r}",
     )
@@ -83,6 +87,8 @@ class MQARTrainData:
     held_out_rows likewise from other seeds. seed: the data seed, the same rows for every
     variant and seed of the study."""
 
+    SECTION: ClassVar[str | None] = "mqar.train"  # where its fields are in a study file
+
     seq_len: int
     num_pairs: tuple[int, ...]
     fillers: tuple[str, ...] = ("random",)
@@ -96,17 +102,18 @@ class MQARTrainData:
 
     def __post_init__(self) -> None:
         _tuples(self, "num_pairs", "fillers", "value_lens", "gaps")
-        _ints("mqar.train.num_pairs", self.num_pairs, 1)
-        _ints("mqar.train.value_lens", self.value_lens, 1)
+        _ints(self, "num_pairs", 1)
+        _ints(self, "value_lens", 1)
         if self.gaps is not None:
-            _ints("mqar.train.gaps", self.gaps, 0)
-        _fillers("mqar.train.fillers", self.fillers)
-        require_at_least(1, "mqar.train", self, "seq_len", "rows", "held_out_rows")
+            _ints(self, "gaps", 0)
+        _fillers(self, "fillers")
+        require_at_least(1, self, "seq_len", "rows", "held_out_rows")
         n = len(self.num_pairs) * len(self.fillers) * len(self.value_lens) * len(self.gaps or (0,))
         for name in ("rows", "held_out_rows"):
             require(
                 getattr(self, name) % n == 0,
-                f"mqar.train.{name}",
+                self,
+                name,
                 f"must be a multiple of the {n} (num_pairs, filler, value_len, gap) "
                 f"combinations (equal rows each), got {getattr(self, name)}",
             )
@@ -114,7 +121,8 @@ class MQARTrainData:
             need = 2 * p * (1 + length)
             require(
                 need <= self.seq_len,
-                "mqar.train.seq_len",
+                self,
+                "seq_len",
                 f"{self.seq_len} cannot hold num_pairs={p} pairs and their queries of "
                 f"value_len={length} ({need} tokens); raise seq_len or drop the combination",
             )
@@ -154,6 +162,8 @@ class MQAREval:
     per forward; distance_edges: the key-to-query distance buckets; max_len: points longer
     than this are refused (None: no limit)."""
 
+    SECTION: ClassVar[str | None] = "mqar.eval"  # where its fields are in a study file
+
     num_pairs: tuple[int, ...]
     gaps: tuple[int, ...]
     fillers: tuple[str, ...] = ("random",)
@@ -165,20 +175,22 @@ class MQAREval:
 
     def __post_init__(self) -> None:
         _tuples(self, "num_pairs", "gaps", "fillers", "value_lens", "distance_edges")
-        _ints("mqar.eval.num_pairs", self.num_pairs, 1)
-        _ints("mqar.eval.gaps", self.gaps, 0)
-        _ints("mqar.eval.value_lens", self.value_lens, 1)
-        _fillers("mqar.eval.fillers", self.fillers)
-        require_at_least(1, "mqar.eval", self, "rows", "batch_size")
+        _ints(self, "num_pairs", 1)
+        _ints(self, "gaps", 0)
+        _ints(self, "value_lens", 1)
+        _fillers(self, "fillers")
+        require_at_least(1, self, "rows", "batch_size")
         edges = list(self.distance_edges)
         require(
             len(edges) >= 2 and all(a < b for a, b in itertools.pairwise(edges)),
-            "mqar.eval.distance_edges",
+            self,
+            "distance_edges",
             f"must be at least two strictly increasing distances, got {edges}",
         )
         require(
             self.max_len is None or (isinstance(self.max_len, int) and self.max_len >= 1),
-            "mqar.eval.max_len",
+            self,
+            "max_len",
             f"must be None or an int >= 1, got {self.max_len!r}",
         )
 
@@ -199,7 +211,8 @@ class MQAREval:
                 raise ValueError(f"mqar.eval: {err}") from err
             require(
                 self.max_len is None or point.seq_len <= self.max_len,
-                "mqar.eval.max_len",
+                self,
+                "max_len",
                 f"the point num_pairs={p}, gap={gap}, value_len={length} is {point.seq_len} "
                 f"tokens, over max_len={self.max_len}; drop it or raise max_len",
             )
@@ -220,6 +233,8 @@ class LMEval:
     """Held-out loss by position: `rows` held-out rows of `length` tokens (one forward each,
     batch_size rows at a time); edges: position buckets (default 0, 1, 2, 4, ... length)."""
 
+    SECTION: ClassVar[str | None] = "lm.eval"  # where its fields are in a study file
+
     length: int
     rows: int = 8
     batch_size: int = 1
@@ -227,10 +242,10 @@ class LMEval:
 
     def __post_init__(self) -> None:
         _tuples(self, "edges")
-        require_at_least(1, "lm.eval", self, "length", "rows", "batch_size")
+        require_at_least(1, self, "length", "rows", "batch_size")
         if self.edges is None:
             object.__setattr__(self, "edges", tuple(doubling_edges(self.length)))
-        check_edges(self.edges, self.length, "lm.eval.edges")  # type: ignore[arg-type]
+        check_edges(self.edges, self.length, self, "edges")  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -250,6 +265,8 @@ class StudyConfig:
     from each of `seeds`; mqar or lm: the task's section (the one `task` names).
     """
 
+    SECTION: ClassVar[str | None] = None  # where its fields are in a study file
+
     name: str
     task: str
     seeds: tuple[int, ...]
@@ -263,27 +280,33 @@ class StudyConfig:
         _tuples(self, "seeds")
         require(
             isinstance(self.name, str) and SAFE_NAME.fullmatch(self.name) is not None,
+            self,
             "name",
             f"must be a folder name (letters, digits, _ . -), got {self.name!r}",
         )
-        require(self.task in TASKS, "task", f"must be one of {TASKS}, got {self.task!r}")
+        require(self.task in TASKS, self, "task", f"must be one of {TASKS}, got {self.task!r}")
         require(
             getattr(self, self.task) is not None,
+            self,
             self.task,
             f"task {self.task!r} needs a {self.task} section",
         )
         other = next(t for t in TASKS if t != self.task)
-        require(getattr(self, other) is None, other, f"not used by task {self.task!r}; remove it")
+        require(
+            getattr(self, other) is None, self, other, f"not used by task {self.task!r}; remove it"
+        )
         require(
             isinstance(self.seeds, tuple)
             and len(self.seeds) > 0
             and all(isinstance(s, int) for s in self.seeds)
             and len(set(self.seeds)) == len(self.seeds),
+            self,
             "seeds",
             f"must be a non-empty list of distinct ints, got {self.seeds!r}",
         )
         require(
             isinstance(self.variants, dict) and len(self.variants) > 0,
+            self,
             "variants",
             f"must map at least one variant name to its model overrides, got {self.variants!r}",
         )
@@ -291,11 +314,13 @@ class StudyConfig:
         for name, overrides in self.variants.items():
             require(
                 isinstance(name, str) and SAFE_NAME.fullmatch(name) is not None,
+                self,
                 "variants",
                 f"a variant name must be a folder name (letters, digits, _ . -), got {name!r}",
             )
             require(
                 isinstance(overrides, dict),
+                None,
                 f"variants.{name}",
                 f"must be a mapping of model keys to values ({{}} for the shared model), got "
                 f"{overrides!r}",
@@ -306,6 +331,7 @@ class StudyConfig:
                     values = self.model if section == "model" else overrides
                     require(
                         "vocab_size" not in values,
+                        None,
                         f"{section}.vocab_size",
                         "set by mqar.train.vocab_size; remove it",
                     )
@@ -314,7 +340,8 @@ class StudyConfig:
             self.mqar.eval.points(self.mqar.train)  # every point fits the vocabulary
             require(
                 self.mqar.train.held_out_rows >= self.train.batch_size,
-                "mqar.train.held_out_rows",
+                self.mqar.train,
+                "held_out_rows",
                 f"must fill one batch of train.batch_size={self.train.batch_size}, got "
                 f"{self.mqar.train.held_out_rows}",
             )
@@ -363,23 +390,24 @@ def study_from_mapping(raw: Any) -> StudyConfig:
     top = ["name", "task", "seeds", "model", "variants", "train", *TASKS]
     require_known_keys("study", raw, top)
     for key in ("name", "task", "seeds", "variants", "train"):
-        require(key in raw, key, "missing; see docs/study.md for a complete study")
+        require(key in raw, None, key, "missing; see docs/study.md for a complete study")
     for key in ("model", "variants", "train", *TASKS):
         require(
             isinstance(raw.get(key) or {}, dict),
+            None,
             key,
             f"must be a mapping of keys to values, got {raw.get(key)!r}",
         )
     variants = raw["variants"] or {}  # a variant with no overrides may be left empty
     variants = {k: {} if v is None else v for k, v in variants.items()}
     train = dict(raw["train"] or {})
-    require("seed" not in train, "train.seed", "set from each of seeds; remove it")
+    require("seed" not in train, None, "train.seed", "set from each of seeds; remove it")
     sections: dict[str, Any] = {}
     if raw.get("mqar") is not None:
         mqar = raw["mqar"]
         require_known_keys("mqar", mqar, ["train", "eval"])
         for key in ("train", "eval"):
-            require(isinstance(mqar.get(key), dict), f"mqar.{key}", "needs a mapping")
+            require(isinstance(mqar.get(key), dict), None, f"mqar.{key}", "needs a mapping")
         sections["mqar"] = MQARStudy(
             settings_from_section(MQARTrainData, "mqar.train", mqar["train"]),
             settings_from_section(MQAREval, "mqar.eval", mqar["eval"]),
@@ -388,7 +416,7 @@ def study_from_mapping(raw: Any) -> StudyConfig:
         lm = raw["lm"]
         require_known_keys("lm", lm, ["data", "eval"])
         for key in ("data", "eval"):
-            require(isinstance(lm.get(key), dict), f"lm.{key}", "needs a mapping")
+            require(isinstance(lm.get(key), dict), None, f"lm.{key}", "needs a mapping")
         sections["lm"] = LMStudy(
             settings_from_section(DataConfig, "lm.data", lm["data"]),
             settings_from_section(LMEval, "lm.eval", lm["eval"]),

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch import Tensor
@@ -35,6 +35,8 @@ class DataConfig:
     copy); tokenizer: a tokenizer folder (default: the GPT-2 BPE shipped with longkv).
     """
 
+    SECTION: ClassVar[str] = "data"  # a run file's section: its refusals read "data.every"
+
     seq_len: int = 512
     every: int = 20
     folder: str | None = None
@@ -42,20 +44,22 @@ class DataConfig:
     tokenizer: str | None = None
 
     def __post_init__(self) -> None:
-        require_at_least(1, "data", self, "seq_len")
+        require_at_least(1, self, "seq_len")
         require(
             self.every >= 2,
-            "data.every",
+            self,
+            "every",
             f"must be >= 2 so that something is left to train on, got {self.every}",
         )
         if self.dataset is not None:
             require(
-                self.folder is None, "data.dataset", "give data.folder or data.dataset, not both"
+                self.folder is None, self, "dataset", "give data.folder or data.dataset, not both"
             )
             unknown = sorted(set(self.dataset) - set(DATASET_KEYS))
             require(
                 "path" in self.dataset and not unknown,
-                "data.dataset",
+                self,
+                "dataset",
                 f"needs a path and only the keys {DATASET_KEYS}, got {sorted(self.dataset)}",
             )
 

@@ -74,14 +74,15 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         at_least_one = ("steps", "batch_size", "eval_every", "eval_batches", "checkpoint_every")
-        require_at_least(1, "TrainConfig", self, *at_least_one)
-        require_at_least(0, "TrainConfig", self, "warmup")
+        require_at_least(1, self, *at_least_one)
+        require_at_least(0, self, "warmup")
         for name in ("lr", "grad_clip"):
             value = getattr(self, name)
-            require(value > 0, f"TrainConfig.{name}", f"must be > 0, got {value}")
+            require(value > 0, self, name, f"must be > 0, got {value}")
         require(
             self.parallel in ("ddp", "fsdp"),
-            "TrainConfig.parallel",
+            self,
+            "parallel",
             f"must be 'ddp' or 'fsdp', got {self.parallel!r}",
         )
 

@@ -63,11 +63,12 @@ def train_bpe(
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     require(
         vocab_size > len(alphabet),
+        None,
         "vocab_size",
         f"must exceed the {len(alphabet)} byte tokens plus {EOS}, got {vocab_size}",
     )
-    require(min_frequency >= 1, "min_frequency", f"must be >= 1, got {min_frequency}")
-    require(bool(files), "files", "no documents to train the tokenizer on")
+    require(min_frequency >= 1, None, "min_frequency", f"must be >= 1, got {min_frequency}")
+    require(bool(files), None, "files", "no documents to train the tokenizer on")
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
