@@ -21,13 +21,13 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
 
 from conftest import over_tokenizer, tiny_hf_config
+from longkv.bench.bounded import FATES, fate_rows
 from longkv.bench.kvm import BenchSettings
 from longkv.bench.train import TrainBenchSettings
 from longkv.cli import common
 from longkv.cli import fold as fold_cli
 from longkv.cli import niah as niah_cli
 from longkv.cli.args import build_settings
-from longkv.cli.bounded import FATES, fate_rows
 from longkv.cli.main import COMMANDS, build_parser, main
 from longkv.evals import niah_run
 from longkv.evals.niah_records import NiahRecord, NiahSettings

@@ -1,7 +1,7 @@
 """`longkv niah`: the needle-in-a-haystack grid (`longkv.evals.niah_run`) answered by full
 attention, KV-Fold and the bounded caches (StreamingLLM, SnapKV, KVM-Fold), and its page: the
-accuracy table, whether the fold answered as full attention did, and the heatmap. The line that
-says which methods ran with which options (`methods_line`) serves `longkv bounded` too."""
+accuracy table, whether the fold answered as full attention did, and the heatmap
+(`longkv.evals.niah_report`)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,12 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from longkv.caches.methods import describe_runs
 from longkv.checks import setting
 from longkv.cli.args import add_settings
 from longkv.cli.common import ModelOptions, dtype_setting
-from longkv.evals.niah_records import NiahRecord, NiahSettings, fold_mismatches
-from longkv.evals.niah_report import accuracy_table, heatmap
+from longkv.evals.niah_records import NiahSettings
+from longkv.evals.niah_report import accuracy_table, heatmap, methods_line, verdict
 from longkv.evals.niah_run import run_niah
-from longkv.fold.variants import VARIANTS
 from longkv.results import provenance, provenance_lines, write_atomic
 
 
@@ -34,33 +32,6 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
     add_settings(parser, NiahOptions)
     add_settings(parser, NiahSettings)
     parser.set_defaults(func=run)
-
-
-def verdict(records: list[NiahRecord]) -> list[str]:
-    """Whether the fold answered as full attention did: one line, or none if not both ran."""
-    mismatches = fold_mismatches(records)
-    if mismatches is None:
-        return []
-    if not mismatches:
-        return ["The fold's answers equal full attention's on every sample."]
-    return [
-        f"The fold's answers differ from full attention's on {len(mismatches)} samples: "
-        f"{mismatches}"
-    ]
-
-
-def methods_line(s: NiahSettings) -> str:
-    """The methods that ran and their options, for the page."""
-    variant = "" if s.variant == "exact" else f", variant {s.variant}: {VARIANTS[s.variant]}"
-    options = {"full": "full attention", "fold": f"KV-Fold in chunks of {s.chunk_size}{variant}"}
-    said = [options[m] for m in s.methods if m in options]
-    bounded = s.bounded_configs(s.methods)
-    if bounded:
-        said.append(f"bounded caches read in chunks of {s.stream_chunk}: {describe_runs(bounded)}")
-    return (
-        "; ".join(said)
-        + f"; greedy, at most {s.max_new_tokens} new tokens; {s.samples} sample(s) per cell"
-    )
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:

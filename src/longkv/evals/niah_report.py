@@ -1,5 +1,6 @@
-"""A niah run on its page: the accuracy table, the heatmap over depth and length, and the score
-against each bounded method's budget."""
+"""A niah run on its page: the methods and their options, the accuracy table, whether the fold
+answered as full attention did, the heatmap over depth and length, and the score against each
+bounded method's budget."""
 
 from __future__ import annotations
 
@@ -7,8 +8,16 @@ from pathlib import Path
 
 import torch
 
-from longkv.caches.methods import split_label
-from longkv.evals.niah_records import NiahRun, accuracy, mean_scores
+from longkv.caches.methods import describe_runs, split_label
+from longkv.evals.niah_records import (
+    NiahRecord,
+    NiahRun,
+    NiahSettings,
+    accuracy,
+    fold_mismatches,
+    mean_scores,
+)
+from longkv.fold.variants import VARIANTS
 from longkv.results import markdown_table, pyplot, save_figure
 
 
@@ -100,3 +109,30 @@ def budget_plot(run: NiahRun, path: Path) -> None:
         ax.set_ylabel("string_match_all")
     axes[0][-1].legend(fontsize=7, loc="lower right")
     save_figure(fig, path)
+
+
+def verdict(records: list[NiahRecord]) -> list[str]:
+    """Whether the fold answered as full attention did: one line, or none if not both ran."""
+    mismatches = fold_mismatches(records)
+    if mismatches is None:
+        return []
+    if not mismatches:
+        return ["The fold's answers equal full attention's on every sample."]
+    return [
+        f"The fold's answers differ from full attention's on {len(mismatches)} samples: "
+        f"{mismatches}"
+    ]
+
+
+def methods_line(s: NiahSettings) -> str:
+    """The methods that ran and their options, for the page."""
+    variant = "" if s.variant == "exact" else f", variant {s.variant}: {VARIANTS[s.variant]}"
+    options = {"full": "full attention", "fold": f"KV-Fold in chunks of {s.chunk_size}{variant}"}
+    said = [options[m] for m in s.methods if m in options]
+    bounded = s.bounded_configs(s.methods)
+    if bounded:
+        said.append(f"bounded caches read in chunks of {s.stream_chunk}: {describe_runs(bounded)}")
+    return (
+        "; ".join(said)
+        + f"; greedy, at most {s.max_new_tokens} new tokens; {s.samples} sample(s) per cell"
+    )

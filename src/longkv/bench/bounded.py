@@ -1,0 +1,119 @@
+"""Bounded caches of a frozen model against full attention, on one page (`longkv bounded`).
+
+For every method run (full attention, and each bounded method at each budget): the held-out
+NLL, its gap to full attention, time and peak memory over corpus text at each length
+(`longkv.bench.compare`), and needle-in-a-haystack answers over the grid
+(`longkv.evals.niah_run`), with where kvm-fold put the tokens of each needle's answer. The NLL
+reports are kept in a partial file after every length, so an interrupted run resumes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from longkv.bench.compare import compare_methods, markdown_rows
+from longkv.evals.niah_records import NiahRecord, NiahRun, NiahSettings
+from longkv.evals.niah_report import accuracy_table, budget_plot, heatmap, methods_line
+from longkv.results import load_partial, markdown_table, save_partial, write_report
+
+FATES = ("exact", "founded", "merged", "dropped")
+
+
+def bounded_nll(
+    model: nn.Module, ids: torch.Tensor, s: NiahSettings, lengths: tuple[int, ...],
+    partial: Path, settings: dict[str, Any], allow_extrapolation: bool = False,
+) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """`compare_methods` of every run of s but the fold over the first n tokens of ids (1, T),
+    by n in lengths; each finished length is kept in `partial` (with `settings`, what it
+    depends on), so a rerun measures only the lengths it lacks."""
+    reports = load_partial(partial, settings)
+    labels = tuple(label for label in s.runs if label != "fold")
+    for n in sorted(lengths):
+        if str(n) in reports:
+            continue
+        reports[str(n)] = compare_methods(
+            model, ids[:, :n], s.chunk_size, methods=labels,
+            bounded=s.bounded_configs(s.methods), stream_chunk=s.stream_chunk,
+            allow_extrapolation=allow_extrapolation,
+        )  # fmt: skip
+        save_partial(partial, settings, reports)
+    return reports
+
+
+def memory_rows(nll: dict[str, Any]) -> list[str]:
+    """Markdown: peak memory of each method at each length, and longest / shortest."""
+    lengths = sorted(nll, key=int)
+    peaks: dict[str, list[int | None]] = {}
+    for n in lengths:
+        for r in nll[n]["runs"]:
+            peaks.setdefault(r["method"], []).append(r["peak_memory_bytes"])
+    rows = []
+    for method, values in peaks.items():
+        shown = ["n/a" if v is None else f"{v / 2**20:.0f}" for v in values]
+        first, last = values[0], values[-1]
+        ratio = "n/a" if not first or last is None else f"{last / first:.2f}"
+        rows.append([method, *shown, ratio])
+    header = ["method", *(f"peak MiB at {n}" for n in lengths), f"{lengths[-1]} / {lengths[0]}"]
+    return markdown_table(header, rows, "<" + ">" * (len(lengths) + 1))
+
+
+def fate_rows(records: list[NiahRecord]) -> list[str]:
+    """Markdown: where each kvm-fold run put the tokens of the needles' answers, over the
+    samples it answered right and those it missed."""
+    groups: dict[tuple[str, bool], list[dict[str, float]]] = {}
+    for r in records:
+        if r.needle_fate is not None:
+            groups.setdefault((r.method, r.score == 1.0), []).append(r.needle_fate)
+    rows = []
+    for (method, right), fates in sorted(groups.items()):
+        cells = [f"{100 * sum(f[k] for f in fates) / len(fates):.1f} %" for k in FATES]
+        # over the samples where the answer founded slots at all (their mean is 0 elsewhere)
+        sizes = [f["founded_slot_tokens"] for f in fates if f["founded"] > 0]
+        size = f"{sum(sizes) / len(sizes):.1f}" if sizes else "-"
+        rows.append([method, "yes" if right else "no", str(len(fates)), *cells, size])
+    header = ["method", "answered", "samples", *FATES, "tokens per founded slot"]
+    return markdown_table(header, rows, "<<>" + ">" * (len(FATES) + 1))
+
+
+def write_bounded_page(
+    stem: Path, title: str, payload: dict[str, Any], reports: dict[str, dict[str, Any]],
+    niah: NiahRun, text: str, sources: list[str],
+) -> list[Path]:  # fmt: skip
+    """stem.{json,md,png} and stem_budget.png: the NLL reports by length, peak memory against
+    length, the needles and where kvm-fold put their answers; payload (with the provenance) is
+    the JSON. Returns the paths written."""
+    s = niah.settings
+    body = [
+        f"- {methods_line(s)}",
+        f"- NLL over the first tokens of {text}; needles over depths {list(s.depths)}",
+        *sources,
+        "",
+        "## Held-out NLL, time and peak memory",
+    ]
+    for n in sorted(reports, key=int):
+        body += ["", f"### {n} tokens", "", *markdown_rows(reports[n])]
+    body += ["", "### Peak memory against length", "", *memory_rows(reports)]
+    body += ["", "## Needles", "", "string_match_all (0-100) per task, method and length:", ""]
+    body += [accuracy_table(niah), f"![heatmap]({stem.name}.png)", ""]
+    body += [f"![accuracy against budget]({stem.name}_budget.png)"]
+    fates = fate_rows(niah.records)
+    if len(fates) > 2:
+        body += [
+            "",
+            "## Where kvm-fold put the needles' answer tokens",
+            "",
+            "Over layers, KV heads and the tokens that spell the (first) answer: still exact "
+            "(sink or window), founded a slot, merged into another token's slot, or dropped; and "
+            "how many tokens the slots they founded hold by the end.",
+            "",
+            *fates,
+        ]
+    paths = write_report(stem, title, payload, body)
+    heatmap(niah, stem.with_suffix(".png"))
+    budget = stem.parent / f"{stem.name}_budget.png"
+    budget_plot(niah, budget)
+    return [*paths, stem.with_suffix(".png"), budget]
