@@ -13,9 +13,9 @@ from longkv.checks import setting
 from longkv.cli.args import add_settings
 from longkv.cli.common import ModelOptions, dtype_setting
 from longkv.evals.niah_records import NiahSettings
-from longkv.evals.niah_report import accuracy_table, heatmap, methods_line, verdict
+from longkv.evals.niah_report import accuracy_table, verdict, write_niah_page
 from longkv.evals.niah_run import run_niah
-from longkv.results import provenance, provenance_lines, write_atomic
+from longkv.results import provenance
 
 
 @dataclass(frozen=True)
@@ -44,24 +44,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         model, tokenizer, settings, stem.with_suffix(".json"), prov, m.corpus_dir,
         m.allow_extrapolation,
     )  # fmt: skip
-    table = accuracy_table(result)
-    said = verdict(result.records)
-    page = [
-        f"# longkv niah: {m.model}, {o.dtype}",
-        "",
-        *provenance_lines(prov),
-        f"- {methods_line(settings)}",
-        "",
-        "string_match_all (0-100) per task, method and context length, over depths "
-        f"{list(settings.depths)}:",
-        "",
-        table,
-        *said,
-        *([""] if said else []),
-        f"![heatmap]({stem.name}.png)",
-    ]
-    print("\n".join([table, *said]))
-    write_atomic(stem.with_suffix(".md"), "\n".join(page) + "\n")
-    heatmap(result, stem.with_suffix(".png"))
-    print(f"wrote {stem}.json, {stem}.md, {stem}.png")
+    print("\n".join([accuracy_table(result), *verdict(result.records)]))
+    paths = write_niah_page(result, stem, f"longkv niah: {m.model}, {o.dtype}", prov)
+    print("wrote " + ", ".join(map(str, paths)))
     return 0

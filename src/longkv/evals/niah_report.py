@@ -5,6 +5,7 @@ bounded method's budget."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -18,7 +19,7 @@ from longkv.evals.niah_records import (
     mean_scores,
 )
 from longkv.fold.variants import VARIANTS
-from longkv.results import markdown_table, pyplot, save_figure
+from longkv.results import markdown_table, provenance_lines, pyplot, save_figure, write_atomic
 
 
 def accuracy_table(run: NiahRun) -> str:
@@ -136,3 +137,26 @@ def methods_line(s: NiahSettings) -> str:
         "; ".join(said)
         + f"; greedy, at most {s.max_new_tokens} new tokens; {s.samples} sample(s) per cell"
     )
+
+
+def write_niah_page(run: NiahRun, stem: Path, title: str, prov: dict[str, Any]) -> list[Path]:
+    """stem.md (the methods, the accuracy table, the fold's verdict) and stem.png (the heatmap)
+    beside the run's stem.json; returns the three paths."""
+    said = verdict(run.records)
+    page = [
+        f"# {title}",
+        "",
+        *provenance_lines(prov),
+        f"- {methods_line(run.settings)}",
+        "",
+        "string_match_all (0-100) per task, method and context length, over depths "
+        f"{list(run.settings.depths)}:",
+        "",
+        accuracy_table(run),
+        *said,
+        *([""] if said else []),
+        f"![heatmap]({stem.name}.png)",
+    ]
+    write_atomic(stem.with_suffix(".md"), "\n".join(page) + "\n")
+    heatmap(run, stem.with_suffix(".png"))
+    return [stem.with_suffix(suffix) for suffix in (".json", ".md", ".png")]
