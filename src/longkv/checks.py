@@ -120,11 +120,11 @@ def require_at_least(bound: float, owner: object, *names: str) -> None:
 
 
 def require_known_keys(name: str, values: dict[str, Any], known: Iterable[str]) -> None:
-    """A ValueError naming section `name`'s keys that are not in known, and the known ones."""
+    """Refuse section `name` of a YAML file if it has keys that are not in known; the message
+    names them and the known ones."""
     names = sorted(known)
     unknown = sorted(set(values) - set(names))
-    if unknown:
-        raise ValueError(f"{name}: unknown keys {unknown}; use {names}")
+    require(not unknown, None, name, f"unknown keys {unknown}; use {names}")
 
 
 def settings_from_section(cls: type[S], name: str, values: dict[str, Any]) -> S:

@@ -18,7 +18,13 @@ from typing import Any, ClassVar
 import numpy as np
 import yaml
 
-from longkv.checks import require, require_at_least, require_known_keys, settings_from_section
+from longkv.checks import (
+    refuse,
+    require,
+    require_at_least,
+    require_known_keys,
+    settings_from_section,
+)
 from longkv.evals.position_loss import check_edges, doubling_edges
 from longkv.evals.synthetic import FILLERS, MQARConfig
 from longkv.models import LongKVConfig
@@ -386,7 +392,7 @@ class StudyConfig:
 def study_from_mapping(raw: Any) -> StudyConfig:
     """StudyConfig from the parsed YAML (see the module doc and docs/study.md)."""
     if not isinstance(raw, dict):
-        raise ValueError(f"study: must be a mapping of sections, got {raw!r}")
+        refuse(None, "study", f"must be a mapping of sections, got {raw!r}")
     top = ["name", "task", "seeds", "model", "variants", "train", *TASKS]
     require_known_keys("study", raw, top)
     for key in ("name", "task", "seeds", "variants", "train"):

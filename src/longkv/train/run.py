@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import yaml
 
-from longkv.checks import require_known_keys, settings_from_section
+from longkv.checks import require, require_known_keys, settings_from_section
 from longkv.models import LongKVConfig, LongKVForCausalLM
 from longkv.results import provenance, write_atomic
 from longkv.train.data import DataConfig, pack_texts, packed_corpus, split_texts
@@ -38,21 +38,19 @@ def load_run(path: str | Path, overrides: list[str]) -> dict[str, Any]:
     run = yaml.safe_load(Path(path).read_text()) or {}
     for item in overrides:
         key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"override {item!r}: write key=value, e.g. train.steps=10")
+        require(bool(sep), None, f"override {item!r}", "write key=value, e.g. train.steps=10")
         *parents, leaf = key.split(".")
         node = run
         for part in parents:
             node = node.setdefault(part, {})
         node[leaf] = yaml.safe_load(value)
-    unknown = set(run) - set(SECTIONS)
-    if unknown:
-        raise ValueError(f"run: unknown sections {sorted(unknown)}; use {', '.join(SECTIONS)}")
+    unknown = sorted(set(run) - set(SECTIONS))
+    require(not unknown, None, "run", f"unknown sections {unknown}; use {', '.join(SECTIONS)}")
     for section in ("model", "data", "train"):
-        if not isinstance(run.get(section) or {}, dict):
-            raise ValueError(
-                f"{section}: must be a mapping of keys to values, got {run[section]!r}"
-            )
+        require(
+            isinstance(run.get(section) or {}, dict),
+            None, section, f"must be a mapping of keys to values, got {run.get(section)!r}",
+        )  # fmt: skip
     return run
 
 
@@ -63,8 +61,12 @@ def preset_model(section: dict[str, Any], **fixed: Any) -> LongKVConfig:
     require_known_keys("model", section, ["preset", *MODEL_FIELDS])
     fields = dict(section)
     preset = fields.pop("preset", "tiny")
-    if preset not in PRESETS:
-        raise ValueError(f"model.preset: unknown {preset!r}; choose from {sorted(PRESETS)}")
+    require(
+        preset in PRESETS,
+        None,
+        "model.preset",
+        f"unknown {preset!r}; choose from {sorted(PRESETS)}",
+    )
     return PRESETS[preset](**{**fixed, **fields})
 
 
