@@ -29,8 +29,6 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
 )
 from tqdm import tqdm
 
@@ -38,8 +36,13 @@ from longkv.checks import require, require_at_least
 from longkv.data import IGNORE
 from longkv.models import LongKVConfig, LongKVForCausalLM
 from longkv.results import replaced_atomically
+from longkv.train.checkpoint import (
+    CHECKPOINT,
+    load_checkpoint,
+    load_training_state,
+    save_checkpoint,
+)
 
-CHECKPOINT = "checkpoint.pt"
 METRICS_FILE = "metrics.csv"  # one row per step: loss, lr, eval_loss on eval steps, seconds
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered, on rank 0's CPU
 MODEL_FIELDS = tuple(
@@ -47,12 +50,6 @@ MODEL_FIELDS = tuple(
     for name in inspect.signature(LongKVConfig.__init__).parameters
     if name not in ("self", "kwargs")
 )  # the settings of a LongKVConfig
-# Settings a resumed run may change: the length of the run and its bookkeeping (the checkpoint
-# holds gathered state dicts, the same whatever the parallelism). Anything else is refused.
-RESUMABLE = (
-    "train.steps", "train.eval_every", "train.eval_batches", "train.checkpoint_every",
-    "train.parallel",
-)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -170,77 +167,6 @@ def run_settings(
         "data": dict(data or {}),
         "train": asdict(cfg),
     }
-
-
-def differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
-    """(dotted key, old, new) for every leaf that differs; nested mappings are compared by key."""
-    changed = []
-    for key in [*old, *(k for k in new if k not in old)]:
-        a, b = old.get(key, "(unset)"), new.get(key, "(unset)")
-        if isinstance(a, Mapping) and isinstance(b, Mapping):
-            changed += [(f"{key}.{k}", x, y) for k, x, y in differences(a, b)]
-        elif a != b:
-            changed.append((key, a, b))
-    return changed
-
-
-def describe(changed: list[tuple[str, Any, Any]]) -> str:
-    """`key: old -> new; ...` for the output of differences."""
-    return "; ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in changed)
-
-
-def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
-    """torch.save through a temporary file and a rename: never a half-written checkpoint."""
-    with replaced_atomically(path) as tmp:
-        torch.save(state, tmp)
-
-
-def load_checkpoint(path: Path, settings: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The checkpoint at path; refused if its run settings differ from `settings` (see
-    run_settings) outside RESUMABLE, or its step is past settings' train.steps."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as err:
-        raise ValueError(
-            f"checkpoint {path} is unreadable ({err}); delete it or pass another out dir"
-        ) from err
-    if "settings" not in state:
-        raise ValueError(
-            f"checkpoint {path} records no run settings (an older longkv wrote it); resume it "
-            "with that version, or pass another out_dir"
-        )
-    refused = [d for d in differences(state["settings"], settings) if d[0] not in RESUMABLE]
-    if refused:
-        raise ValueError(
-            f"checkpoint {path} was written with other settings ({describe(refused)}); resume "
-            f"with the settings that wrote it, or pass another out_dir (only "
-            f"{', '.join(RESUMABLE)} may change on resume)"
-        )
-    steps = settings["train"]["steps"]
-    if state["step"] > steps:
-        raise ValueError(
-            f"checkpoint {path} is at step {state['step']}, past train.steps={steps}; pass "
-            f"train.steps >= {state['step']}, or another out_dir"
-        )
-    return state
-
-
-def load_training_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
-    """Model and AdamW state from a checkpoint's gathered state dicts, exactly as saved.
-
-    A parameter that never received a gradient (a KVM merge gate whose rows never overflow the
-    window, say) has no optimizer state. The loader would refuse that unless not strict, and
-    then invent one (step 1, zero moments); it is dropped again, so that such a parameter, as
-    in the run that wrote the checkpoint, starts its state at its first gradient.
-    """
-    set_model_state_dict(model, state["model"], options=StateDictOptions(full_state_dict=True))
-    set_optimizer_state_dict(
-        model, optimizer, state["optimizer"],
-        options=StateDictOptions(full_state_dict=True, strict=False),
-    )  # fmt: skip
-    for name, param in model.named_parameters():
-        if name not in state["optimizer"]["state"]:
-            optimizer.state.pop(param, None)
 
 
 def progress_postfix(loss: float, eval_loss: float | None) -> str:
