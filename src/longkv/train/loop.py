@@ -214,6 +214,101 @@ def tensorboard_writer(out: Path, first_step: int) -> Any:
     return SummaryWriter(str(out / "tensorboard"), purge_step=first_step)
 
 
+@dataclass(frozen=True)
+class _Run:
+    """What every step of one `train` call uses: this process's place among the ranks, its
+    device, the model, the module the steps run through (the model, DDP or FSDP), AdamW and
+    the autocast context."""
+
+    cfg: TrainConfig
+    rank: int
+    size: int
+    device: torch.device
+    model: LongKVForCausalLM
+    net: nn.Module
+    optimizer: torch.optim.Optimizer
+    autocast: torch.autocast
+
+
+def _start(model_config: LongKVConfig, cfg: TrainConfig, out: Path, dtype: torch.dtype) -> _Run:
+    """Join the process group under torchrun, make out, and build the model (seeded with
+    cfg.seed), its distributed wrapper and AdamW on this process's device."""
+    rank, size = world()
+    device = train_device()
+    if size > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if cfg.batch_size % size:
+        raise ValueError(f"batch_size {cfg.batch_size} is not divisible by {size} ranks")
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    model = LongKVForCausalLM(model_config).to(device=device, dtype=dtype)
+    net = distribute(model, cfg.parallel, size, device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    autocast = torch.autocast(
+        device.type, dtype=torch.bfloat16, enabled=cfg.amp and device.type == "cuda"
+    )
+    return _Run(cfg, rank, size, device, model, net, optimizer, autocast)
+
+
+def _resume(
+    run: _Run, checkpoint: Path, settings: dict[str, dict[str, Any]]
+) -> tuple[int, list[dict[str, float]]]:
+    """(first step, metrics rows so far): the checkpoint's, its state loaded into the model and
+    optimizer, when there is one (refused if its settings differ, see load_checkpoint)."""
+    if not checkpoint.is_file():
+        return 0, []
+    state = load_checkpoint(checkpoint, settings)
+    load_training_state(run.model, run.optimizer, state)
+    return state["step"], state["metrics"]
+
+
+def _step(run: _Run, train_rows: TrainingRows, step: int) -> dict[str, float]:
+    """One optimizer step on this rank's slice of the global batch of `step`; its metrics row:
+    step (counted from 1), loss (the mean over ranks) and lr."""
+    cfg = run.cfg
+    local = cfg.batch_size // run.size
+    rows = train_rows[batch_rows(step, len(train_rows), cfg.batch_size, cfg.seed)]
+    mine = rows[run.rank * local : (run.rank + 1) * local].to(run.device)
+    with run.autocast:
+        loss = _next_token_loss(run.net, mine)
+    run.optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    nn.utils.clip_grad_norm_(run.model.parameters(), cfg.grad_clip)
+    lr = cfg.lr * lr_factor(step, cfg.warmup, cfg.steps)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    run.optimizer.step()
+    return {"step": step + 1, "loss": _mean_over_ranks(loss.detach(), run.size), "lr": lr}
+
+
+def _save(
+    run: _Run, out: Path, metrics: list[dict[str, float]], settings: dict[str, dict[str, Any]],
+    writer: Any,
+) -> None:  # fmt: skip
+    """Checkpoint the step of the last metrics row: the state is gathered on every rank, and
+    rank 0 writes it with the metrics CSV and flushes tensorboard."""
+    model_state, optim_state = get_state_dict(run.model, run.optimizer, options=FULL)
+    if run.rank == 0:
+        save_checkpoint(
+            out / CHECKPOINT,
+            {
+                "model": model_state, "optimizer": optim_state, "step": metrics[-1]["step"],
+                "metrics": metrics, "settings": settings,
+            },
+        )  # fmt: skip
+        write_metrics(out / METRICS_FILE, metrics)
+        if writer is not None:
+            writer.flush()
+
+
+def _log(writer: Any, row: dict[str, float]) -> None:
+    """The row's loss, lr and eval_loss (when it has one) as tensorboard scalars at its step."""
+    if writer is not None:
+        for key in ("loss", "lr", "eval_loss"):
+            if key in row:
+                writer.add_scalar(key, row[key], row["step"])
+
+
 def train(
     model_config: LongKVConfig,
     cfg: TrainConfig,
@@ -239,31 +334,12 @@ def train(
     s being cfg.lr * lr_factor(s, cfg.warmup, cfg.steps) whatever steps the checkpoint's run
     had. stop_after simulates an interruption. Ctrl-C during the steps raises Interrupted.
     """
-    rank, size = world()
-    device = train_device()
-    if size > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    if cfg.batch_size % size:
-        raise ValueError(f"batch_size {cfg.batch_size} is not divisible by {size} ranks")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(cfg.seed)
-    model = LongKVForCausalLM(model_config).to(device=device, dtype=dtype)
-    net = distribute(model, cfg.parallel, size, device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    run = _start(model_config, cfg, out, dtype)
     settings = run_settings(model_config, cfg, data)
-    metrics: list[dict[str, float]] = []
-    start = 0
     checkpoint = out / CHECKPOINT
-    if checkpoint.is_file():
-        state = load_checkpoint(checkpoint, settings)
-        load_training_state(model, optimizer, state)
-        start, metrics = state["step"], state["metrics"]
-    autocast = torch.autocast(
-        device.type, dtype=torch.bfloat16, enabled=cfg.amp and device.type == "cuda"
-    )
-    writer = tensorboard_writer(out, start + 1) if rank == 0 else None  # rows count from 1
-    local = cfg.batch_size // size
+    start, metrics = _resume(run, checkpoint, settings)
+    writer = tensorboard_writer(out, start + 1) if run.rank == 0 else None  # rows count from 1
     elapsed = metrics[-1]["seconds"] if metrics else 0.0  # training time, resumes included
     evals = [row["eval_loss"] for row in metrics if "eval_loss" in row]
     eval_loss = evals[-1] if evals else None
@@ -271,57 +347,33 @@ def train(
     saved = start  # the step the checkpoint holds (rank 0 writes it)
     bar = tqdm(
         range(start, end), desc=desc, unit="step", initial=start, total=end,
-        disable=rank != 0,
+        disable=run.rank != 0,
     )  # fmt: skip
     try:
         for step in bar:
             t0 = time.perf_counter()
-            rows = train_rows[batch_rows(step, len(train_rows), cfg.batch_size, cfg.seed)]
-            mine = rows[rank * local : (rank + 1) * local].to(device)
-            with autocast:
-                loss = _next_token_loss(net, mine)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            lr = cfg.lr * lr_factor(step, cfg.warmup, cfg.steps)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            optimizer.step()
-            row = {"step": step + 1, "loss": _mean_over_ranks(loss.detach(), size), "lr": lr}
+            row = _step(run, train_rows, step)
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-                with autocast:
-                    eval_loss = evaluate(net, held_out_rows, cfg.eval_batches, cfg.batch_size)
+                with run.autocast:
+                    eval_loss = evaluate(run.net, held_out_rows, cfg.eval_batches, cfg.batch_size)
                 row["eval_loss"] = eval_loss
             elapsed += time.perf_counter() - t0
             row["seconds"] = elapsed
             metrics.append(row)
             bar.set_postfix_str(progress_postfix(row["loss"], eval_loss))
-            if writer is not None:
-                for key in ("loss", "lr", "eval_loss"):
-                    if key in row:
-                        writer.add_scalar(key, row[key], step + 1)
+            _log(writer, row)
             if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == end:
-                model_state, optim_state = get_state_dict(model, optimizer, options=FULL)
-                if rank == 0:
-                    save_checkpoint(
-                        checkpoint,
-                        {
-                            "model": model_state, "optimizer": optim_state, "step": step + 1,
-                            "metrics": metrics, "settings": settings,
-                        },
-                    )  # fmt: skip
+                _save(run, out, metrics, settings, writer)
+                if run.rank == 0:
                     saved = step + 1
-                    write_metrics(out / METRICS_FILE, metrics)
-                    if writer is not None:
-                        writer.flush()
-            if size > 1:
+            if run.size > 1:
                 dist.barrier()
         if writer is not None:
             writer.close()
         if end == cfg.steps:  # the finished model, for generate and eval-loss
-            model_state = get_model_state_dict(model, options=FULL)
-            if rank == 0:
-                model.save_pretrained(out / "model", state_dict=model_state)
+            model_state = get_model_state_dict(run.model, options=FULL)
+            if run.rank == 0:
+                run.model.save_pretrained(out / "model", state_dict=model_state)
     except KeyboardInterrupt as err:
         raise Interrupted(len(metrics), checkpoint, saved, cfg) from err
     finally:
