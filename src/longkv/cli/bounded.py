@@ -102,6 +102,23 @@ def fate_rows(records: list[NiahRecord]) -> list[str]:
     return markdown_table(header, rows, "<<>" + ">" * (len(FATES) + 1))
 
 
+def _reused_answers(
+    paths: tuple[str, ...], settings: NiahSettings
+) -> tuple[list[NiahRecord], list[str]]:
+    """The answers this grid reuses from `longkv niah` result files at paths, and a Markdown line
+    per file naming its command and commit."""
+    reused: list[NiahRecord] = []
+    sources: list[str] = []
+    for path in paths:
+        records, source = reusable_records(Path(path), settings)
+        reused += records
+        sources.append(
+            f"- {len(records)} needle answers from `{source.get('command')}` "
+            f"(commit `{source.get('commit')}`)"
+        )
+    return reused, sources
+
+
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     m, o = args.settings[ModelOptions], args.settings[BoundedStudyOptions]
     s = args.settings[NiahSettings]
@@ -112,15 +129,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         model, longest, "BoundedStudyOptions.nll_tokens", f"{longest} tokens",
         m.allow_extrapolation,
     )  # fmt: skip
-    reused: list[NiahRecord] = []
-    sources: list[str] = []
-    for path in o.niah_records:
-        records, source = reusable_records(Path(path), s)
-        reused += records
-        sources.append(
-            f"- {len(records)} needle answers from `{source.get('command')}` "
-            f"(commit `{source.get('commit')}`)"
-        )
+    reused, sources = _reused_answers(o.niah_records, s)
     stem = Path(m.out_dir) / o.name
     stem.parent.mkdir(parents=True, exist_ok=True)
     prov = provenance(argv)
