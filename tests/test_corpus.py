@@ -17,7 +17,7 @@ from longkv.data.corpus import (
     text_tokens,
     training_corpus_dir,
 )
-from longkv.evals.niah import ESSAY_FILES
+from longkv.evals.haystack import ESSAY_FILES
 from longkv.train.data import document_files
 from longkv.train.tokenizer import gpt2_tokenizer
 

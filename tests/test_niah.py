@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 
 from longkv.data.corpus import BUNDLED_CORPUS
+from longkv.evals.haystack import ESSAY_FILES
 from longkv.evals.niah import (
     _SPECS,
     ADJECTIVES,
-    ESSAY_FILES,
     NOUNS,
     TASKS,
     WORD_KEYS,

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from longkv.models import LongKVConfig, LongKVForCausalLM
+from longkv.train.checkpoint import CHECKPOINT
 from longkv.train.loop import (
-    CHECKPOINT,
     LabelledRows,
     TrainConfig,
     batch_rows,

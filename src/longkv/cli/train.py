@@ -20,9 +20,10 @@ from longkv.cli.args import HelpFormatter, add_settings
 from longkv.data.corpus import read_document
 from longkv.models.pretrained import load_model, resolve_model
 from longkv.results import OUT_DIR, OUT_DIR_HELP
+from longkv.train.checkpoint import CHECKPOINT
 from longkv.train.compare import compare_runs
 from longkv.train.data import document_files, split_every
-from longkv.train.loop import CHECKPOINT, METRICS_FILE, Interrupted, evaluate, world
+from longkv.train.loop import METRICS_FILE, Interrupted, evaluate, world
 from longkv.train.report import RUN_FILE
 from longkv.train.run import RunSections, finished_run, load_run, train_run
 from longkv.train.tokenizer import load_tokenizer, train_bpe

@@ -9,6 +9,7 @@ the token-by-token reference that the tests compare this against.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -195,6 +196,51 @@ def check_state(state: object, config: KVMConfig, dims: Dims, like: Tensor) -> K
     return state
 
 
+def _arrive(
+    state: KVMState, k: Tensor, v: Tensor, gate: Tensor, weight: Tensor | None,
+    bias: Tensor | None, donate: bool,
+) -> tuple[KVMState, WindowCache, int]:  # fmt: skip
+    """New tokens k (B, Hkv, T, Dk), v (B, Hkv, T, Dv) and gate (B, Hkv, T, 1) arrive.
+
+    Returns the state (those of the first chunk copied into its slots as they arrive), its window
+    extended by all T tokens (in place when donated), and cov: the slots hold tokens [0, cov).
+    """
+    config, n0 = state.config, state.seen
+    C = config.chunk_len
+    win = state.window.extend(k, v, gate, own=donate)
+    n1, base = win.seen, win.start
+    if n0 < C:  # the first chunk is copied into the state as it arrives
+        first = slice(n0 - base, min(n1, C) - base)
+        k0, v0 = win.k[:, :, first], win.v[:, :, first]
+        state = found_first(state, k0, v0, weight, bias, donate)
+    return state, win, max(min(n1, C), window_start(config, n0))
+
+
+def _chunked(
+    qg: Tensor, sizes: list[int], win: WindowCache, C: int, tracked: bool
+) -> tuple[tuple[Tensor, ...], Callable[[int, int, int], Tensor]]:
+    """This call's grouped queries qg (B, Hkv, G, T, Dk) cut into its chunks (`sizes[j]` queries
+    in the j-th), and `window_of`, which cuts the window win into whole chunks.
+
+    Under autograd (`tracked`) every tensor is cut into its chunks once: the backward of a slice
+    fills a zero tensor of the whole input, once per chunk, where that of a split joins the
+    pieces.
+    """
+    q_c = qg.split(sizes, dim=3) if len(sizes) > 1 else (qg,)
+    base = win.start
+    window = (win.k, win.v, win.g)
+    pieces = [t.split(C, dim=2) for t in window] if tracked else []  # chunk base // C + j
+
+    def window_of(i: int, lo: int, b: int) -> Tensor:
+        """Keys (i=0), values (1) or gates (2) of tokens [lo, b), lo and b in whole chunks."""
+        if not tracked:
+            return window[i][:, :, lo - base : b - base]
+        parts = pieces[i][(lo - base) // C : (b - 1 - base) // C + 1]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+    return q_c, window_of
+
+
 def kvm_attention(
     q: Tensor,
     k: Tensor,
@@ -228,37 +274,20 @@ def kvm_attention(
     )
     state = empty_state(config, k, v) if state is None else check_state(state, config, dims, q)
 
-    C, N = config.chunk_len, config.window_chunks
-    n0 = state.seen
+    C, N, n0 = config.chunk_len, config.window_chunks, state.seen
     given = state.slots.store  # written in place only when donated, or once this call copied it
-    win = state.window.extend(k, v, gate, own=donate)  # tokens [base, n1)
-    n1, base = win.seen, win.start
-    if n0 < C:  # the first chunk is copied into the state as it arrives
-        first = slice(n0 - base, min(n1, C) - base)
-        k0, v0 = win.k[:, :, first], win.v[:, :, first]
-        state = found_first(state, k0, v0, norm_weight, norm_bias, donate)
-    cov = max(min(n1, C), window_start(config, n0))
+    state, win, cov = _arrive(state, k, v, gate, norm_weight, norm_bias, donate)
+    n1 = win.seen  # the window holds tokens [win.start, n1)
 
     qg = group_heads(q, dims.Hkv)  # (B, Hkv, G, T, Dk)
     # scaled per chunk: a scaled copy of all queries would double a long prefill's memory
     tau_s, tau_w = query_scales(dims, scale, state_temp, window_temp)
     chunks = range(n0 // C, (n1 - 1) // C + 1)
-    # Under autograd every tensor is cut into its chunks once: the backward of a slice fills a
-    # zero tensor of the whole input, once per chunk, where that of a split joins the pieces.
     tracked = records_grad(
         q, k, v, gate, norm_weight, norm_bias, window_temp, state_temp, state.slots.tensor
     )
     sizes = [min(n1, (c + 1) * C) - max(n0, c * C) for c in chunks]
-    q_c = qg.split(sizes, dim=3) if len(sizes) > 1 else (qg,)
-    window = (win.k, win.v, win.g)
-    pieces = [t.split(C, dim=2) for t in window] if tracked else []  # chunk base // C + j
-
-    def window_of(i: int, lo: int, b: int) -> Tensor:
-        """Keys (i=0), values (1) or gates (2) of tokens [lo, b), lo and b in whole chunks."""
-        if not tracked:
-            return window[i][:, :, lo - base : b - base]
-        parts = pieces[i][(lo - base) // C : (b - 1 - base) // C + 1]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+    q_c, window_of = _chunked(qg, sizes, win, C, tracked)
 
     outs = []  # with autograd; else written into out
     out = None if tracked or len(sizes) == 1 else q.new_empty(*qg.shape[:4], dims.Dv)

@@ -55,6 +55,19 @@ def check_recurrence_inputs(
         )
 
 
+def _check_span(L: Tensor) -> None:
+    """Raise ValueError when a chunk's total log decay passes MAX_SPAN. L: the cumulative log
+    decays L_1 .. L_C of each chunk (B, H, n, C, Dk)."""
+    n, C = L.shape[2:4]
+    span = float(-L[..., -1, :].detach().amax()) if n else 0.0  # largest chunk decay
+    if span > MAX_SPAN:
+        raise ValueError(
+            f"log_w: a chunk of {C} tokens decays by exp(-{span:.1f}), past "
+            f"exp(-{MAX_SPAN:g}), where the factored decays lose range; pass a smaller "
+            "chunk_len"
+        )
+
+
 def rwkv7_recurrence(
     r: Tensor,
     log_w: Tensor,
@@ -92,13 +105,7 @@ def rwkv7_recurrence(
         a, b = -kap, kap * ic
         L = lw.cumsum(dim=3)  # L_1 .. L_C
         L0 = F.pad(L, (0, 0, 1, 0))  # L_0 .. L_C
-        span = float(-L[..., -1, :].detach().amax()) if n else 0.0  # largest chunk decay
-        if span > MAX_SPAN:
-            raise ValueError(
-                f"log_w: a chunk of {C} tokens decays by exp(-{span:.1f}), past "
-                f"exp(-{MAX_SPAN:g}), where the factored decays lose range; pass a smaller "
-                "chunk_len"
-            )
+        _check_span(L)
         # E(i, s) = exp(L_i - m) exp(m - L_s), m = L at the chunk's middle: every factor is at
         # most exp(span / 2), and the products above the diagonal, which are dropped, at most
         # exp(span).

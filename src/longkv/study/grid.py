@@ -44,13 +44,11 @@ from longkv.study.config import (
     StudyConfig,
     derived_seed,
 )
+from longkv.train.checkpoint import RESUMABLE, describe, differences
 from longkv.train.data import pack_texts, packed_corpus, split_texts
 from longkv.train.loop import (
-    RESUMABLE,
     LabelledRows,
     TrainingRows,
-    describe,
-    differences,
     run_settings,
     train,
     train_device,

@@ -8,7 +8,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from longkv.results import provenance, write_report
-from longkv.train.loop import METRICS_FILE, describe, differences
+from longkv.train.checkpoint import describe, differences
+from longkv.train.loop import METRICS_FILE
 from longkv.train.report import plot_runs, read_metrics, runs_table, score_run
 from longkv.train.run import finished_run, load_run
 

@@ -29,8 +29,6 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
 )
 from tqdm import tqdm
 
@@ -38,8 +36,13 @@ from longkv.checks import require, require_at_least
 from longkv.data import IGNORE
 from longkv.models import LongKVConfig, LongKVForCausalLM
 from longkv.results import replaced_atomically
+from longkv.train.checkpoint import (
+    CHECKPOINT,
+    load_checkpoint,
+    load_training_state,
+    save_checkpoint,
+)
 
-CHECKPOINT = "checkpoint.pt"
 METRICS_FILE = "metrics.csv"  # one row per step: loss, lr, eval_loss on eval steps, seconds
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered, on rank 0's CPU
 MODEL_FIELDS = tuple(
@@ -47,12 +50,6 @@ MODEL_FIELDS = tuple(
     for name in inspect.signature(LongKVConfig.__init__).parameters
     if name not in ("self", "kwargs")
 )  # the settings of a LongKVConfig
-# Settings a resumed run may change: the length of the run and its bookkeeping (the checkpoint
-# holds gathered state dicts, the same whatever the parallelism). Anything else is refused.
-RESUMABLE = (
-    "train.steps", "train.eval_every", "train.eval_batches", "train.checkpoint_every",
-    "train.parallel",
-)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -173,77 +170,6 @@ def run_settings(
     }
 
 
-def differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
-    """(dotted key, old, new) for every leaf that differs; nested mappings are compared by key."""
-    changed = []
-    for key in [*old, *(k for k in new if k not in old)]:
-        a, b = old.get(key, "(unset)"), new.get(key, "(unset)")
-        if isinstance(a, Mapping) and isinstance(b, Mapping):
-            changed += [(f"{key}.{k}", x, y) for k, x, y in differences(a, b)]
-        elif a != b:
-            changed.append((key, a, b))
-    return changed
-
-
-def describe(changed: list[tuple[str, Any, Any]]) -> str:
-    """`key: old -> new; ...` for the output of differences."""
-    return "; ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in changed)
-
-
-def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
-    """torch.save through a temporary file and a rename: never a half-written checkpoint."""
-    with replaced_atomically(path) as tmp:
-        torch.save(state, tmp)
-
-
-def load_checkpoint(path: Path, settings: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The checkpoint at path; refused if its run settings differ from `settings` (see
-    run_settings) outside RESUMABLE, or its step is past settings' train.steps."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as err:
-        raise ValueError(
-            f"checkpoint {path} is unreadable ({err}); delete it or pass another out dir"
-        ) from err
-    if "settings" not in state:
-        raise ValueError(
-            f"checkpoint {path} records no run settings (an older longkv wrote it); resume it "
-            "with that version, or pass another out_dir"
-        )
-    refused = [d for d in differences(state["settings"], settings) if d[0] not in RESUMABLE]
-    if refused:
-        raise ValueError(
-            f"checkpoint {path} was written with other settings ({describe(refused)}); resume "
-            f"with the settings that wrote it, or pass another out_dir (only "
-            f"{', '.join(RESUMABLE)} may change on resume)"
-        )
-    steps = settings["train"]["steps"]
-    if state["step"] > steps:
-        raise ValueError(
-            f"checkpoint {path} is at step {state['step']}, past train.steps={steps}; pass "
-            f"train.steps >= {state['step']}, or another out_dir"
-        )
-    return state
-
-
-def load_training_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
-    """Model and AdamW state from a checkpoint's gathered state dicts, exactly as saved.
-
-    A parameter that never received a gradient (a KVM merge gate whose rows never overflow the
-    window, say) has no optimizer state. The loader would refuse that unless not strict, and
-    then invent one (step 1, zero moments); it is dropped again, so that such a parameter, as
-    in the run that wrote the checkpoint, starts its state at its first gradient.
-    """
-    set_model_state_dict(model, state["model"], options=StateDictOptions(full_state_dict=True))
-    set_optimizer_state_dict(
-        model, optimizer, state["optimizer"],
-        options=StateDictOptions(full_state_dict=True, strict=False),
-    )  # fmt: skip
-    for name, param in model.named_parameters():
-        if name not in state["optimizer"]["state"]:
-            optimizer.state.pop(param, None)
-
-
 def progress_postfix(loss: float, eval_loss: float | None) -> str:
     """The progress bar's postfix: the step's training loss and the last held-out loss."""
     shown = f"loss={loss:.4f}"
@@ -289,6 +215,101 @@ def tensorboard_writer(out: Path, first_step: int) -> Any:
     return SummaryWriter(str(out / "tensorboard"), purge_step=first_step)
 
 
+@dataclass(frozen=True)
+class _Run:
+    """What every step of one `train` call uses: this process's place among the ranks, its
+    device, the model, the module the steps run through (the model, DDP or FSDP), AdamW and
+    the autocast context."""
+
+    cfg: TrainConfig
+    rank: int
+    size: int
+    device: torch.device
+    model: LongKVForCausalLM
+    net: nn.Module
+    optimizer: torch.optim.Optimizer
+    autocast: torch.autocast
+
+
+def _start(model_config: LongKVConfig, cfg: TrainConfig, out: Path, dtype: torch.dtype) -> _Run:
+    """Join the process group under torchrun, make out, and build the model (seeded with
+    cfg.seed), its distributed wrapper and AdamW on this process's device."""
+    rank, size = world()
+    device = train_device()
+    if size > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if cfg.batch_size % size:
+        raise ValueError(f"batch_size {cfg.batch_size} is not divisible by {size} ranks")
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    model = LongKVForCausalLM(model_config).to(device=device, dtype=dtype)
+    net = distribute(model, cfg.parallel, size, device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    autocast = torch.autocast(
+        device.type, dtype=torch.bfloat16, enabled=cfg.amp and device.type == "cuda"
+    )
+    return _Run(cfg, rank, size, device, model, net, optimizer, autocast)
+
+
+def _resume(
+    run: _Run, checkpoint: Path, settings: dict[str, dict[str, Any]]
+) -> tuple[int, list[dict[str, float]]]:
+    """(first step, metrics rows so far): the checkpoint's, its state loaded into the model and
+    optimizer, when there is one (refused if its settings differ, see load_checkpoint)."""
+    if not checkpoint.is_file():
+        return 0, []
+    state = load_checkpoint(checkpoint, settings)
+    load_training_state(run.model, run.optimizer, state)
+    return state["step"], state["metrics"]
+
+
+def _step(run: _Run, train_rows: TrainingRows, step: int) -> dict[str, float]:
+    """One optimizer step on this rank's slice of the global batch of `step`; its metrics row:
+    step (counted from 1), loss (the mean over ranks) and lr."""
+    cfg = run.cfg
+    local = cfg.batch_size // run.size
+    rows = train_rows[batch_rows(step, len(train_rows), cfg.batch_size, cfg.seed)]
+    mine = rows[run.rank * local : (run.rank + 1) * local].to(run.device)
+    with run.autocast:
+        loss = _next_token_loss(run.net, mine)
+    run.optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    nn.utils.clip_grad_norm_(run.model.parameters(), cfg.grad_clip)
+    lr = cfg.lr * lr_factor(step, cfg.warmup, cfg.steps)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    run.optimizer.step()
+    return {"step": step + 1, "loss": _mean_over_ranks(loss.detach(), run.size), "lr": lr}
+
+
+def _save(
+    run: _Run, out: Path, metrics: list[dict[str, float]], settings: dict[str, dict[str, Any]],
+    writer: Any,
+) -> None:  # fmt: skip
+    """Checkpoint the step of the last metrics row: the state is gathered on every rank, and
+    rank 0 writes it with the metrics CSV and flushes tensorboard."""
+    model_state, optim_state = get_state_dict(run.model, run.optimizer, options=FULL)
+    if run.rank == 0:
+        save_checkpoint(
+            out / CHECKPOINT,
+            {
+                "model": model_state, "optimizer": optim_state, "step": metrics[-1]["step"],
+                "metrics": metrics, "settings": settings,
+            },
+        )  # fmt: skip
+        write_metrics(out / METRICS_FILE, metrics)
+        if writer is not None:
+            writer.flush()
+
+
+def _log(writer: Any, row: dict[str, float]) -> None:
+    """The row's loss, lr and eval_loss (when it has one) as tensorboard scalars at its step."""
+    if writer is not None:
+        for key in ("loss", "lr", "eval_loss"):
+            if key in row:
+                writer.add_scalar(key, row[key], row["step"])
+
+
 def train(
     model_config: LongKVConfig,
     cfg: TrainConfig,
@@ -314,31 +335,12 @@ def train(
     s being cfg.lr * lr_factor(s, cfg.warmup, cfg.steps) whatever steps the checkpoint's run
     had. stop_after simulates an interruption. Ctrl-C during the steps raises Interrupted.
     """
-    rank, size = world()
-    device = train_device()
-    if size > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    if cfg.batch_size % size:
-        raise ValueError(f"batch_size {cfg.batch_size} is not divisible by {size} ranks")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(cfg.seed)
-    model = LongKVForCausalLM(model_config).to(device=device, dtype=dtype)
-    net = distribute(model, cfg.parallel, size, device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    run = _start(model_config, cfg, out, dtype)
     settings = run_settings(model_config, cfg, data)
-    metrics: list[dict[str, float]] = []
-    start = 0
     checkpoint = out / CHECKPOINT
-    if checkpoint.is_file():
-        state = load_checkpoint(checkpoint, settings)
-        load_training_state(model, optimizer, state)
-        start, metrics = state["step"], state["metrics"]
-    autocast = torch.autocast(
-        device.type, dtype=torch.bfloat16, enabled=cfg.amp and device.type == "cuda"
-    )
-    writer = tensorboard_writer(out, start + 1) if rank == 0 else None  # rows count from 1
-    local = cfg.batch_size // size
+    start, metrics = _resume(run, checkpoint, settings)
+    writer = tensorboard_writer(out, start + 1) if run.rank == 0 else None  # rows count from 1
     elapsed = metrics[-1]["seconds"] if metrics else 0.0  # training time, resumes included
     evals = [row["eval_loss"] for row in metrics if "eval_loss" in row]
     eval_loss = evals[-1] if evals else None
@@ -346,57 +348,33 @@ def train(
     saved = start  # the step the checkpoint holds (rank 0 writes it)
     bar = tqdm(
         range(start, end), desc=desc, unit="step", initial=start, total=end,
-        disable=rank != 0,
+        disable=run.rank != 0,
     )  # fmt: skip
     try:
         for step in bar:
             t0 = time.perf_counter()
-            rows = train_rows[batch_rows(step, len(train_rows), cfg.batch_size, cfg.seed)]
-            mine = rows[rank * local : (rank + 1) * local].to(device)
-            with autocast:
-                loss = _next_token_loss(net, mine)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            lr = cfg.lr * lr_factor(step, cfg.warmup, cfg.steps)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            optimizer.step()
-            row = {"step": step + 1, "loss": _mean_over_ranks(loss.detach(), size), "lr": lr}
+            row = _step(run, train_rows, step)
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-                with autocast:
-                    eval_loss = evaluate(net, held_out_rows, cfg.eval_batches, cfg.batch_size)
+                with run.autocast:
+                    eval_loss = evaluate(run.net, held_out_rows, cfg.eval_batches, cfg.batch_size)
                 row["eval_loss"] = eval_loss
             elapsed += time.perf_counter() - t0
             row["seconds"] = elapsed
             metrics.append(row)
             bar.set_postfix_str(progress_postfix(row["loss"], eval_loss))
-            if writer is not None:
-                for key in ("loss", "lr", "eval_loss"):
-                    if key in row:
-                        writer.add_scalar(key, row[key], step + 1)
+            _log(writer, row)
             if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == end:
-                model_state, optim_state = get_state_dict(model, optimizer, options=FULL)
-                if rank == 0:
-                    save_checkpoint(
-                        checkpoint,
-                        {
-                            "model": model_state, "optimizer": optim_state, "step": step + 1,
-                            "metrics": metrics, "settings": settings,
-                        },
-                    )  # fmt: skip
+                _save(run, out, metrics, settings, writer)
+                if run.rank == 0:
                     saved = step + 1
-                    write_metrics(out / METRICS_FILE, metrics)
-                    if writer is not None:
-                        writer.flush()
-            if size > 1:
+            if run.size > 1:
                 dist.barrier()
         if writer is not None:
             writer.close()
         if end == cfg.steps:  # the finished model, for generate and eval-loss
-            model_state = get_model_state_dict(model, options=FULL)
-            if rank == 0:
-                model.save_pretrained(out / "model", state_dict=model_state)
+            model_state = get_model_state_dict(run.model, options=FULL)
+            if run.rank == 0:
+                run.model.save_pretrained(out / "model", state_dict=model_state)
     except KeyboardInterrupt as err:
         raise Interrupted(len(metrics), checkpoint, saved, cfg) from err
     finally:

@@ -20,8 +20,9 @@ import yaml
 from longkv.checks import require, require_known_keys, settings_from_section
 from longkv.models import LongKVConfig, LongKVForCausalLM
 from longkv.results import provenance, write_atomic
+from longkv.train.checkpoint import describe, differences
 from longkv.train.data import DataConfig, pack_texts, packed_corpus, split_texts
-from longkv.train.loop import MODEL_FIELDS, TrainConfig, describe, differences, run_settings, train
+from longkv.train.loop import MODEL_FIELDS, TrainConfig, run_settings, train
 from longkv.train.report import PROVENANCE, RUN_FILE, record_provenance
 from longkv.train.tokenizer import load_tokenizer
 
