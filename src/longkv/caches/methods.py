@@ -26,7 +26,8 @@ from longkv.checks import mirror, refused_as, require, require_at_least, setting
 from longkv.fold.fold import FoldResult
 
 BOUNDED = ("streaming", "snapkv", "kvm-fold")
-METHODS = ("full", "fold", *BOUNDED)
+# how a frozen model holds a long input's keys and values
+CACHE_METHODS = ("full", "fold", *BOUNDED)
 
 
 @dataclass(frozen=True)

@@ -3,10 +3,10 @@
 Each field of a settings dataclass declared with `longkv.checks.setting` becomes one option:
 `--field-name` (or a positional argument), typed by the field's annotation (a tuple takes one or
 more values, a bool is a `--name/--no-name` switch), with the field's default, choices, help and
-whether it is required. The parser remembers
-which dataclasses it was made from; `build_settings` builds them from the parsed options, so a
-bad value is refused before a command starts, and a `SettingError` about a field is reported
-under the option it came from.
+whether it is required. The parser remembers which dataclasses it was made from;
+`build_settings` builds them from the parsed options, so a bad value is refused before a command
+starts, and a `SettingError` about a field is reported under the option it came from, or under
+the option that feeds it (`longkv.checks.setting`'s `feeds`).
 """
 
 from __future__ import annotations

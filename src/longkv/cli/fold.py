@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from longkv.bench.compare import compare_methods, markdown_rows
-from longkv.caches.methods import METHODS, BoundedOptions, describe_runs
+from longkv.caches.methods import CACHE_METHODS, BoundedOptions, describe_runs
 from longkv.checks import refused_as, require_at_least, setting
 from longkv.cli.args import add_settings
 from longkv.cli.common import ModelOptions, dtype_setting, require_positions
@@ -44,7 +44,9 @@ class FoldOptions(BoundedOptions, TextOptions):
     variant: str = setting("exact", "method fold: " + VARIANT_HELP, choices=VARIANTS)
     dtype: str = dtype_setting()
     methods: tuple[str, ...] = setting(
-        ("full", "fold"), "methods to run; full always runs, as the reference", choices=METHODS
+        ("full", "fold"),
+        "methods to run; full always runs, as the reference",
+        choices=CACHE_METHODS,
     )
     repeats: int = setting(1, "timed runs per method (median)")
     name: str | None = setting(None, "file name stem of the results (default: fold_<tokens>)")

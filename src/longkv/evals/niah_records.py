@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from longkv.caches.methods import METHODS, BoundedOptions
+from longkv.caches.methods import CACHE_METHODS, BoundedOptions
 from longkv.checks import require, require_at_least, require_known, setting
 from longkv.evals.niah import TASKS
 from longkv.fold.variants import VARIANT_HELP, VARIANTS, require_variants
@@ -28,7 +28,7 @@ class NiahSettings(BoundedOptions):
     )
     depths: tuple[float, ...] = setting((0.1, 0.5, 0.9), "needle depths in [0, 1]")
     methods: tuple[str, ...] = setting(
-        ("full", "fold", "streaming"), "methods that answer", choices=METHODS
+        ("full", "fold", "streaming"), "methods that answer", choices=CACHE_METHODS
     )
     samples: int = setting(1, "samples per cell (task, length, depth)")
     seed: int = setting(0, "seed of the first sample; sample i uses seed + i")
@@ -38,7 +38,7 @@ class NiahSettings(BoundedOptions):
 
     def __post_init__(self) -> None:
         require_known(self, "tasks", self.tasks, TASKS)
-        require_known(self, "methods", self.methods, METHODS)
+        require_known(self, "methods", self.methods, CACHE_METHODS)
         at_least_one = ("lengths", "samples", "chunk_size", "max_new_tokens")
         require_at_least(1, self, *at_least_one)
         require_variants(self, "variant", self.variant)

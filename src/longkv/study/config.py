@@ -32,7 +32,7 @@ from longkv.train.data import DataConfig
 from longkv.train.loop import MODEL_FIELDS, TrainConfig
 from longkv.train.run import preset_model
 
-TASKS = ("mqar", "lm")
+STUDY_TASKS = ("mqar", "lm")
 SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # a folder name
 TRAIN, HELD_OUT, EVAL, SHUFFLE = range(4)  # the seed streams of the MQAR rows
 DISTANCE_EDGES = (0, 64, 256, 1024, 4096, 16384, 65536)
@@ -290,14 +290,19 @@ class StudyConfig:
             "name",
             f"must be a folder name (letters, digits, _ . -), got {self.name!r}",
         )
-        require(self.task in TASKS, self, "task", f"must be one of {TASKS}, got {self.task!r}")
+        require(
+            self.task in STUDY_TASKS,
+            self,
+            "task",
+            f"must be one of {STUDY_TASKS}, got {self.task!r}",
+        )
         require(
             getattr(self, self.task) is not None,
             self,
             self.task,
             f"task {self.task!r} needs a {self.task} section",
         )
-        other = next(t for t in TASKS if t != self.task)
+        other = next(t for t in STUDY_TASKS if t != self.task)
         require(
             getattr(self, other) is None, self, other, f"not used by task {self.task!r}; remove it"
         )
@@ -393,11 +398,11 @@ def study_from_mapping(raw: Any) -> StudyConfig:
     """StudyConfig from the parsed YAML (see the module doc and docs/study.md)."""
     if not isinstance(raw, dict):
         refuse(None, "study", f"must be a mapping of sections, got {raw!r}")
-    top = ["name", "task", "seeds", "model", "variants", "train", *TASKS]
+    top = ["name", "task", "seeds", "model", "variants", "train", *STUDY_TASKS]
     require_known_keys("study", raw, top)
     for key in ("name", "task", "seeds", "variants", "train"):
         require(key in raw, None, key, "missing; see docs/study.md for a complete study")
-    for key in ("model", "variants", "train", *TASKS):
+    for key in ("model", "variants", "train", *STUDY_TASKS):
         require(
             isinstance(raw.get(key) or {}, dict),
             None,
