@@ -8,11 +8,11 @@ import shlex
 import sys
 from dataclasses import dataclass
 
-from longkv.checks import setting
+from longkv.checks import refused_as, setting
 from longkv.cli.args import add_settings
 from longkv.results import OUT_DIR
 from longkv.study.config import load_study
-from longkv.study.grid import RUNS_DIR, StudyData, run_study
+from longkv.study.grid import RUNS_DIR, StudyData, check_subset, run_study
 from longkv.study.report import write_study_report
 
 
@@ -41,6 +41,10 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
 def run_study_command(args: argparse.Namespace, argv: list[str]) -> int:
     o = args.settings[StudyOptions]
     study = load_study(o.config)
+    with refused_as(o, "only"):
+        check_subset(study, variants=o.only)
+    with refused_as(o, "seeds"):
+        check_subset(study, seeds=o.seeds)
     data = StudyData(study)
     if not o.report_only:
         try:

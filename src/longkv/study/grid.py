@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from longkv.checks import require
 from longkv.evals.position_loss import bucket_loss, held_out_position_nll
 from longkv.evals.synthetic import (
     MQARConfig,
@@ -246,6 +247,21 @@ def run_one(
     return record
 
 
+def check_subset(
+    study: StudyConfig, variants: Sequence[str] | None = None, seeds: Sequence[int] | None = None
+) -> None:
+    """Refuse the argument variants (or seeds) unless each is one of the study's."""
+    unknown = sorted(set(variants or ()) - set(study.variants))
+    require(
+        not unknown, None, "variants",
+        f"unknown variants {unknown}; the study has {list(study.variants)}",
+    )  # fmt: skip
+    missing = sorted(set(seeds or ()) - set(study.seeds))
+    require(
+        not missing, None, "seeds", f"{missing} are not among the study's seeds {list(study.seeds)}"
+    )
+
+
 def run_study(
     study: StudyConfig,
     runs_dir: str | Path = RUNS_DIR,
@@ -258,14 +274,7 @@ def run_study(
     records by (variant, seed). One process: not under torchrun."""
     if world()[1] > 1:
         raise ValueError("longkv study runs in one process; start it without torchrun")
-    unknown = sorted(set(variants or ()) - set(study.variants))
-    if unknown:
-        raise ValueError(
-            f"--only: unknown variants {unknown}; the study has {list(study.variants)}"
-        )
-    missing = sorted(set(seeds or ()) - set(study.seeds))
-    if missing:
-        raise ValueError(f"--seeds: {missing} are not among the study's seeds {list(study.seeds)}")
+    check_subset(study, variants, seeds)
     data = data or StudyData(study)
     grid = [(v, s) for v in variants or study.variants for s in seeds or study.seeds]
     records = {}
