@@ -1,6 +1,9 @@
-"""Plain references of the fold's fast paths, one token and one head at a time."""
+"""Plain references of the bounded caches' fast paths, one token (or query) and one head at a
+time."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -73,3 +76,55 @@ def update_state_naive(
         FoldState.of(**{name: stack(name, getattr(state, name)) for name in rows}),
         dest,
     )
+
+
+def two_level_attention_naive(
+    q: Tensor,
+    entries: dict[str, tuple[Tensor, Tensor]],
+    count: Tensor,
+    owner: Tensor,
+    k_open: int,
+    scale: float,
+) -> Tensor:
+    """`longkv.caches.two_level` written out per row, query head and query.
+
+    q (B, H, T, D); entries: "sinks", "slots" (the read-outs), "leaves" and "window", each
+    (keys (B, Hkv, n, D), values (B, Hkv, n, Dv)); count (B, Hkv, S); owner (B, Hkv, L). Each
+    query opens its k_open highest-scoring slots (scale * q . key + log count; earlier first on
+    ties) and takes one softmax over the sinks, the unopened slots' read-outs (+ log count), the
+    opened slots' leaves and the window. Returns (B, H, T, Dv).
+    """
+    B, H, T, _ = q.shape
+    Hkv = count.shape[1]
+    S = count.shape[2]
+    out = torch.zeros(B, H, T, entries["sinks"][1].shape[-1], dtype=q.dtype)
+    for b in range(B):
+        for h in range(H):
+            g = h // (H // Hkv)  # the KV head of query head h
+            c = [float(x) for x in count[b, g]]
+            for t in range(T):
+                x = q[b, h, t]
+
+                def logit(key: Tensor, x: Tensor = x) -> float:
+                    return scale * float(x @ key)
+
+                slot_k, slot_v = entries["slots"]
+                score = [logit(slot_k[b, g, i]) + math.log(c[i]) for i in range(S)]
+                ranked = sorted(range(S), key=lambda i: (-score[i], i))
+                opened = set(ranked[: min(k_open, S)])
+                seen: list[tuple[float, Tensor]] = []  # (logit, value) of every visible entry
+                for name in ("sinks", "window"):
+                    keys, values = entries[name]
+                    seen += [(logit(keys[b, g, j]), values[b, g, j]) for j in range(keys.shape[2])]
+                seen += [(score[i], slot_v[b, g, i]) for i in range(S) if i not in opened]
+                leaf_k, leaf_v = entries["leaves"]
+                seen += [
+                    (logit(leaf_k[b, g, j]), leaf_v[b, g, j])
+                    for j in range(leaf_k.shape[2])
+                    if int(owner[b, g, j]) in opened
+                ]
+                top = max(lg for lg, _ in seen)
+                weights = [math.exp(lg - top) for lg, _ in seen]
+                total = sum(weights)
+                out[b, h, t] = sum(w * v for w, (_, v) in zip(weights, seen, strict=True)) / total
+    return out

@@ -1,0 +1,97 @@
+"""Two-level KVM-Fold attention: routing and the merged softmax against the per-query reference
+in float64, and its two ends (every slot opened: the exact cache; none: the coarse state)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+
+from conftest import TOL
+from longkv.caches.naive import two_level_attention_naive
+from longkv.caches.two_level import open_slots, two_level_attention, two_level_bias
+
+B, H, HKV, T, D, DV = 2, 4, 2, 3, 6, 5
+SINKS, SLOTS, LEAVES, WINDOW = 2, 5, 12, 4
+SCALE = D**-0.5
+
+
+def case(seed: int) -> tuple[Tensor, dict[str, tuple[Tensor, Tensor]], Tensor, Tensor]:
+    """Random queries and entries in float64; every slot owns at least one leaf, and its count
+    is the number of leaves it owns (as a state's slots count their tokens)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> Tensor:
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    q = rand(B, H, T, D)
+    entries = {
+        name: (rand(B, HKV, n, D), rand(B, HKV, n, DV))
+        for name, n in (("sinks", SINKS), ("slots", SLOTS), ("leaves", LEAVES), ("window", WINDOW))
+    }
+    owner = torch.randint(0, SLOTS, (B, HKV, LEAVES), generator=g)
+    owner[..., :SLOTS] = torch.arange(SLOTS)  # no slot without a leaf
+    count = torch.zeros(B, HKV, SLOTS, dtype=torch.float64).scatter_add(
+        -1, owner, torch.ones(B, HKV, LEAVES, dtype=torch.float64)
+    )
+    return q, entries, count, owner
+
+
+def fast(
+    q: Tensor, entries: dict[str, tuple[Tensor, Tensor]], count: Tensor, owner: Tensor, k: int
+) -> Tensor:
+    order = ("sinks", "slots", "leaves", "window")
+    keys = torch.cat([entries[n][0] for n in order], dim=2)
+    values = torch.cat([entries[n][1] for n in order], dim=2)
+    opened = open_slots(q, entries["slots"][0], count, k, SCALE)
+    bias = two_level_bias(opened, count, owner, SINKS, WINDOW)
+    return two_level_attention(q, keys, values, bias, SCALE)
+
+
+def softmax_over(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor | None = None) -> Tensor:
+    """Plain softmax attention of q over keys/values (B, Hkv, n, *), an optional bias (B, 1, 1,
+    n) per KV head's entries."""
+    k = keys.repeat_interleave(H // HKV, dim=1)
+    v = values.repeat_interleave(H // HKV, dim=1)
+    logits = SCALE * (q @ k.transpose(-1, -2))
+    if bias is not None:
+        logits = logits + bias.repeat_interleave(H // HKV, dim=1)
+    return torch.softmax(logits, dim=-1) @ v
+
+
+@pytest.mark.parametrize("k", [0, 1, 2, SLOTS, SLOTS + 3])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_routing_and_the_merged_softmax_equal_the_per_query_reference(k: int, seed: int) -> None:
+    q, entries, count, owner = case(seed)
+    want = two_level_attention_naive(q, entries, count, owner, k, SCALE)
+    assert torch.allclose(fast(q, entries, count, owner, k), want, atol=TOL, rtol=0)
+
+
+def test_opening_every_slot_is_softmax_over_sinks_leaves_and_window() -> None:
+    q, entries, count, owner = case(2)
+    keys = torch.cat([entries[n][0] for n in ("sinks", "leaves", "window")], dim=2)
+    values = torch.cat([entries[n][1] for n in ("sinks", "leaves", "window")], dim=2)
+    exact = softmax_over(q, keys, values)
+    assert torch.allclose(fast(q, entries, count, owner, SLOTS), exact, atol=TOL, rtol=0)
+
+
+def test_opening_no_slot_is_the_coarse_state_with_the_count_bias() -> None:
+    q, entries, count, owner = case(3)
+    keys = torch.cat([entries[n][0] for n in ("sinks", "slots", "window")], dim=2)
+    values = torch.cat([entries[n][1] for n in ("sinks", "slots", "window")], dim=2)
+    zeros = count.new_zeros
+    bias = torch.cat([zeros(B, HKV, SINKS), count.log(), zeros(B, HKV, WINDOW)], dim=-1)
+    coarse = softmax_over(q, keys, values, bias.unsqueeze(2))
+    assert torch.allclose(fast(q, entries, count, owner, 0), coarse, atol=TOL, rtol=0)
+
+
+def test_each_query_head_opens_its_top_slots_the_earlier_on_ties() -> None:
+    q = torch.tensor([[[[1.0, 0.0]], [[0.0, 1.0]]]])  # (1, 2, 1, 2): two query heads, one KV head
+    slot_k = torch.tensor([[[[2.0, 0.0], [0.0, 1.0], [0.0, 1.0], [1.0, 0.0]]]])  # (1, 1, 4, 2)
+    count = torch.tensor([[[1.0, 1.0, 1.0, 2.0]]])
+    opened = open_slots(q, slot_k, count, 2, 1.0)
+    # head 0: scores 2, 0, 0, 1 + log 2 -> slots 0 and 3; head 1: 0, 1, 1, log 2 -> 1 and 2
+    assert opened[0, :, 0].tolist() == [[True, False, False, True], [False, True, True, False]]
+    # one slot each: slots 1 and 2 tie for head 1, the earlier wins
+    assert open_slots(q, slot_k, count, 1, 1.0)[0, 1, 0].tolist() == [False, True, False, False]
+    assert open_slots(q, slot_k, count, 9, 1.0).all()  # k beyond the slots opens them all
