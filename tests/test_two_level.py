@@ -7,9 +7,17 @@ import pytest
 import torch
 from torch import Tensor
 
-from conftest import TOL
+from conftest import TOL, tiny_hf
+from longkv.caches import KVMFoldConfig, KVMFoldRunner, bounded_fold, run_bounded
+from longkv.caches.methods import make_runner
 from longkv.caches.naive import two_level_attention_naive
-from longkv.caches.two_level import open_slots, two_level_attention, two_level_bias
+from longkv.caches.two_level import (
+    TwoLevelRunner,
+    open_slots,
+    two_level_attention,
+    two_level_bias,
+)
+from longkv.fold import kv_fold
 
 B, H, HKV, T, D, DV = 2, 4, 2, 3, 6, 5
 SINKS, SLOTS, LEAVES, WINDOW = 2, 5, 12, 4
@@ -95,3 +103,54 @@ def test_each_query_head_opens_its_top_slots_the_earlier_on_ties() -> None:
     # one slot each: slots 1 and 2 tie for head 1, the earlier wins
     assert open_slots(q, slot_k, count, 1, 1.0)[0, 1, 0].tolist() == [False, True, False, False]
     assert open_slots(q, slot_k, count, 9, 1.0).all()  # k beyond the slots opens them all
+
+
+# the runner: a frozen model through the two-level cache ----------------------------------------
+
+
+def ids_of(n: int = 90) -> Tensor:
+    return torch.randint(0, 64, (2, n), generator=torch.Generator().manual_seed(5))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("chunk", [1, 7, 16])
+@pytest.mark.parametrize("leaves", ["exact", "int8"])
+def test_opening_every_slot_is_the_exact_fold(arch: str, chunk: int, leaves: str) -> None:
+    """A small bounded part (2 sinks, 8 slots, a window of 16) over 90 tokens: with every slot
+    open, the leaves stand for the slots and the logits are the exact fold's (int8 leaves: up
+    to their rounding)."""
+    model, ids = tiny_hf(arch), ids_of()
+    exact = kv_fold(model, ids, ids.shape[1], return_logits=True)
+    config = KVMFoldConfig(budget=26, sinks=2, window=16, open=8, leaves=leaves)
+    runner = make_runner(model, config)
+    assert isinstance(runner, TwoLevelRunner)
+    run = bounded_fold(runner, ids, chunk, return_logits=True)
+    assert run.logits is not None and exact.logits is not None
+    gap = (run.logits - exact.logits).abs().max().item()
+    assert gap <= (1e-5 if leaves == "exact" else 0.05), gap
+    layer = runner.cache.layers[0]
+    left = ids.shape[1] - chunk_tail(ids.shape[1], chunk) - 2 - 16
+    # entries: sinks, 8 slot read-outs, every token that left the window, the window and chunk
+    assert layer.keys.shape[2] == 2 + 8 + left + 16 + chunk_tail(ids.shape[1], chunk)
+
+
+def chunk_tail(n: int, chunk: int) -> int:
+    """Tokens in the last chunk of n read in chunks."""
+    return n - (n - 1) // chunk * chunk
+
+
+def test_opening_fewer_slots_reads_less_and_differs_from_both_ends() -> None:
+    model, ids = tiny_hf("llama"), ids_of()
+    exact = kv_fold(model, ids, ids.shape[1]).nll
+    base = dict(budget=26, sinks=2, window=16)
+    coarse = run_bounded(model, ids, KVMFoldConfig(**base), 8).nll
+    two = run_bounded(model, ids, KVMFoldConfig(**base, open=2), 8).nll
+    assert not torch.allclose(two, exact) and not torch.allclose(two, coarse)
+    assert isinstance(make_runner(model, KVMFoldConfig(**base)), KVMFoldRunner)
+
+
+def test_two_level_refuses_what_would_lose_a_leaf() -> None:
+    with pytest.raises(ValueError, match="merge_threshold: two-level KVM-Fold keeps every"):
+        KVMFoldConfig(budget=26, sinks=2, window=16, open=2, merge_threshold=0.5)
+    with pytest.raises(ValueError, match="readout: two-level KVM-Fold routes on each slot"):
+        KVMFoldConfig(budget=26, sinks=2, window=16, open=2, readout="founder")

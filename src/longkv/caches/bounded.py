@@ -200,11 +200,17 @@ class BoundedRunner:
         return self.window_k[0].shape[2] if self.seen else 0
 
     @property
-    def position(self) -> int:
-        """Entries per layer now, which is also the cache index the next token takes."""
+    def entry_count(self) -> int:
+        """Entries per layer now: the next chunk's keys follow them in the cache."""
         if self.seen == 0:
             return 0
         return self.sink_k[0].shape[2] + self.middle_count + self.window_count
+
+    @property
+    def position(self) -> int:
+        """The position the next token takes: its cache index, since a bounded cache places
+        its entries at positions 0 .. entry_count - 1."""
+        return self.entry_count
 
     def make_room(self, chunk: int) -> int:
         """Move the oldest window tokens to the policy so the chunk fits; its tokens that go
@@ -225,7 +231,7 @@ class BoundedRunner:
     def build_cache(self) -> DynamicCache:
         """The entries of every layer rotated at their cache index."""
         cache = DynamicCache()
-        n = self.position
+        n = self.entry_count
         if n == 0:
             return cache
         device = self.sink_k[0].device
@@ -243,25 +249,28 @@ class BoundedRunner:
         L = cache.layers[0].keys.shape[2] - n
         positions = torch.arange(n, n + L, device=cache.layers[0].keys.device)
         cos, sin = angles_at(-positions, self.inv_freq)
-        first = self.seen == 0
         for i, layer in enumerate(cache.layers):
             k = rotate(layer.keys[:, :, n:].double(), cos, sin).to(layer.keys.dtype)
-            v = layer.values[:, :, n:]
-            if first:
-                self.sink_k[i], self.sink_v[i] = k[:, :, :0], v[:, :, :0]
-                self.window_k[i], self.window_v[i] = k[:, :, :0], v[:, :, :0]
-            self.sink_k[i] = torch.cat([self.sink_k[i], k[:, :, :to_sinks]], dim=2)
-            self.sink_v[i] = torch.cat([self.sink_v[i], v[:, :, :to_sinks]], dim=2)
-            self.window_k[i] = torch.cat([self.window_k[i], k[:, :, to_sinks:]], dim=2)
-            self.window_v[i] = torch.cat([self.window_v[i], v[:, :, to_sinks:]], dim=2)
+            self.keep(i, k, layer.values[:, :, n:], to_sinks)
+
+    def keep(self, layer: int, k: Tensor, v: Tensor, to_sinks: int) -> None:
+        """The chunk's keys k (B, Hkv, L, D) and values: the first to_sinks to the sinks, the
+        rest to the window."""
+        if self.seen == 0:
+            self.sink_k[layer], self.sink_v[layer] = k[:, :, :0], v[:, :, :0]
+            self.window_k[layer], self.window_v[layer] = k[:, :, :0], v[:, :, :0]
+        self.sink_k[layer] = torch.cat([self.sink_k[layer], k[:, :, :to_sinks]], dim=2)
+        self.sink_v[layer] = torch.cat([self.sink_v[layer], v[:, :, :to_sinks]], dim=2)
+        self.window_k[layer] = torch.cat([self.window_k[layer], k[:, :, to_sinks:]], dim=2)
+        self.window_v[layer] = torch.cat([self.window_v[layer], v[:, :, to_sinks:]], dim=2)
 
     def forward(self, ids: Tensor) -> Tensor:
         """Logits (B, L, V) of ids (B, L) at the next cache indices, after making room."""
         B, L = ids.shape
         to_sinks = self.make_room(L)
-        n = self.position
+        n, first = self.entry_count, self.position
         cache = self.build_cache()
-        pos = torch.arange(n, n + L, device=ids.device).expand(B, L)
+        pos = torch.arange(first, first + L, device=ids.device).expand(B, L)
         hooks = self.hooks(L)
         with nullcontext() if hooks is None else hooked(self.model, hooks):
             logits = compat.forward(self.model, ids, pos, cache)

@@ -25,7 +25,8 @@ from longkv.caches.kvm_state import (
     read_slots,
     update_state,
 )
-from longkv.checks import refused_as, require, setting
+from longkv.caches.leaves import LEAF_STORES
+from longkv.checks import refused_as, require, require_at_least, setting
 from longkv.fold.attention import AttentionHooks
 from longkv.kvm.config import BudgetRule, desired_state_len
 
@@ -59,6 +60,17 @@ class KVMFoldConfig(BoundedConfig):
         "cosine similarity below which a leaving token is dropped instead of merged into its "
         "most similar slot (default: every token merges)",
     )
+    open: int = setting(
+        0,
+        "two-level KVM-Fold: slots each query head opens to the exact tokens they own, ranked "
+        "by its logit against their mean key + log(count) (0: the coarse state alone)",
+    )
+    leaves: str = setting(
+        "exact",
+        "two-level KVM-Fold: how the tokens that left the window are kept: exact (the model's "
+        "dtype) or int8 (a code per channel, a scale per token and head)",
+        choices=LEAF_STORES,
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -73,6 +85,17 @@ class KVMFoldConfig(BoundedConfig):
         )
         with refused_as(self):  # growth_factor and saturation_n are checked by the rule
             self.budget_rule  # noqa: B018
+        require_at_least(0, self, "open")
+        require(self.leaves in LEAF_STORES, self, "leaves", f"must be one of {LEAF_STORES}")
+        if self.open:  # every token that leaves the window must stay a leaf of its mean
+            require(
+                self.merge_threshold is None, self, "merge_threshold",
+                "two-level KVM-Fold keeps every token that leaves the window; drop no token",
+            )  # fmt: skip
+            require(
+                self.readout == "mean", self, "readout",
+                "two-level KVM-Fold routes on each slot's mean key; use the mean read-out",
+            )  # fmt: skip
 
     def describe(self) -> str:
         growth = {
@@ -85,6 +108,8 @@ class KVMFoldConfig(BoundedConfig):
             options.append("log(count) bias")
         if self.merge_threshold is not None:
             options.append(f"merges above cosine {self.merge_threshold:g}")
+        if self.open:
+            options.append(f"each query head opens {self.open} to their {self.leaves} tokens")
         return (
             f"{self.sinks} sinks + up to {self.middle_len} slots ({growth}; "
             f"{', '.join(options)}) + {self.window_len} recent"
@@ -131,9 +156,15 @@ class KVMFoldRunner(BoundedRunner):
         return read_slots(state, self.config.readout)
 
     def absorb(self, layer: int, keys: Tensor, values: Tensor, first: int) -> None:
+        self.fold_in(layer, keys, values, first, self.sink_k[layer])
+
+    def fold_in(
+        self, layer: int, keys: Tensor, values: Tensor, first: int, sinks: Tensor
+    ) -> Tensor:
+        """Update the layer's state with the tokens first, first + 1, ... (un-rotated keys
+        (B, Hkv, m, D), values), sinks (B, Hkv, s, D) un-rotated; returns their dest."""
         state = self.states[layer]
         state = empty_state(keys, values) if state is None else state
-        sinks = self.sink_k[layer]
         m = keys.shape[2]
         avail = first + m - sinks.shape[2]  # the tokens the slots summarise after the update
         target = desired_state_len(self.config.budget_rule, self.seen, avail, state.num_slots)
@@ -143,6 +174,7 @@ class KVMFoldRunner(BoundedRunner):
         self.states[layer] = state
         if self.track:
             self.destinations[layer].append((first, dest))
+        return dest
 
     def fates(self, start: int, stop: int) -> dict[str, float]:
         """Where the input tokens start .. stop - 1 went, over layers, rows and KV heads (needs

@@ -22,6 +22,7 @@ from longkv.caches.bounded import (
 from longkv.caches.eviction import SnapKVConfig, SnapKVRunner
 from longkv.caches.kvm_fold import STATES, KVMFoldConfig, KVMFoldRunner
 from longkv.caches.streaming import StreamingRunner
+from longkv.caches.two_level import TwoLevelRunner
 from longkv.checks import mirror, refused_as, require, require_at_least, setting
 from longkv.fold.fold import FoldResult
 
@@ -140,7 +141,8 @@ def make_runner(model: nn.Module, config: BoundedConfig, track: bool = False) ->
     """A fresh runner of a bounded config (its class says which method); track: a KVM-Fold
     runner keeps where each leaving token went."""
     if isinstance(config, KVMFoldConfig):
-        return KVMFoldRunner(model, config, track)
+        runner = TwoLevelRunner if config.open else KVMFoldRunner
+        return runner(model, config, track)
     if isinstance(config, SnapKVConfig):
         return SnapKVRunner(model, config)
     return StreamingRunner(model, config.sinks, config.window_len)

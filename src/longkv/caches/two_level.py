@@ -11,12 +11,28 @@ The keys of one layer are laid out as entries [sinks | slot read-outs | leaves |
 routing becomes an additive bias per query head and entry (`two_level_bias`), which the model's
 own attention adds to its logits. `two_level_attention` is that softmax written out; the tests
 compare it with `naive.two_level_attention_naive`, one query and head at a time.
+
+`TwoLevelRunner` reads a frozen model's input through such a cache. Unlike the bounded caches,
+which re-rotate their entries into positions inside the budget, it keeps every token at the
+position the model gave it (the exact fold's), so that opening every slot is the exact fold. A
+slot's read-out key is the mean of its tokens' rotated keys: a query's logit against it is the
+mean of its logits against them. The KVM state itself routes leaving tokens on un-rotated keys,
+as KVM-Fold does.
 """
 
 from __future__ import annotations
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from transformers import DynamicCache
+
+from longkv.attention.rope import angles_at, rotate
+from longkv.attention.state import Rows
+from longkv.caches.kvm_fold import KVMFoldConfig, KVMFoldRunner
+from longkv.caches.kvm_state import read_slots
+from longkv.caches.leaves import Leaves, add_leaves, empty_leaves, read_leaves
+from longkv.fold.attention import AttentionHooks, Route
+from longkv.fold.fold import check_positions
 
 
 def open_slots(q: Tensor, slot_k: Tensor, count: Tensor, k_open: int, scale: float) -> Tensor:
@@ -78,3 +94,102 @@ def two_level_attention(
     v = values.repeat_interleave(groups, dim=1)
     logits = scale * (q @ k.transpose(-1, -2)) + bias
     return torch.softmax(logits, dim=-1) @ v
+
+
+class TwoLevelRunner(KVMFoldRunner):
+    """KVM-Fold whose slots index the exact tokens they own (config.open > 0): the bounded part
+    (sinks, slot read-outs, window) plus the leaves, every key at its own position."""
+
+    method = "two-level KVM-Fold"
+
+    def __init__(self, model: nn.Module, config: KVMFoldConfig, track: bool = False):
+        super().__init__(model, config, track)
+        layers = model.config.num_hidden_layers
+        self.leaves: list[Leaves | None] = [None] * layers
+        self.slot_keys: list[Rows | None] = [None] * layers  # sums of rotated keys (B, Hkv, S, D)
+
+    @property
+    def position(self) -> int:
+        """The next token's position: the exact fold's."""
+        return self.seen
+
+    @property
+    def entry_count(self) -> int:
+        leaves = self.leaves[0]
+        return super().entry_count + (0 if leaves is None else len(leaves))
+
+    def unrotated(self, keys: Tensor, first: int) -> Tensor:
+        """keys (B, Hkv, m, D) of the tokens first, first + 1, ... with their rotation undone."""
+        positions = torch.arange(first, first + keys.shape[2], device=keys.device)
+        cos, sin = angles_at(-positions, self.inv_freq)
+        return rotate(keys.double(), cos, sin).to(keys.dtype)
+
+    def absorb(self, layer: int, keys: Tensor, values: Tensor, first: int) -> None:
+        """keys (rotated, as the model produced them) become leaves of the slots their
+        un-rotated keys founded or joined."""
+        sinks = self.unrotated(self.sink_k[layer], 0)
+        dest = self.fold_in(layer, self.unrotated(keys, first), values, first, sinks)
+        leaves = self.leaves[layer]
+        leaves = empty_leaves(keys, values, self.config.leaves) if leaves is None else leaves
+        self.leaves[layer] = add_leaves(leaves, keys, values, dest, donate=True)
+        sums = self.slot_keys[layer]
+        sums = Rows.of(keys[:, :, :0].double()) if sums is None else sums
+        state = self.states[layer]
+        assert state is not None
+        new = keys.new_zeros(*keys.shape[:2], state.num_slots - len(sums), keys.shape[-1])
+        sums = sums.append(new.double(), True)
+        self.slot_keys[layer] = sums.add_at(dest, keys.double(), True)
+
+    def read_out(self, layer: int) -> tuple[Tensor, Tensor]:
+        """The slots' read-out: mean rotated keys (B, Hkv, S, D) and mean values."""
+        state, sums = self.states[layer], self.slot_keys[layer]
+        assert state is not None and sums is not None
+        dtype = self.window_k[layer].dtype
+        keys = (sums.tensor / state.count.unsqueeze(-1)).to(dtype)
+        return keys, read_slots(state, "mean")[1].to(dtype)
+
+    def build_cache(self) -> DynamicCache:
+        """Every layer's entries [sinks | slot read-outs | leaves | window], as rotated."""
+        cache = DynamicCache()
+        if self.seen == 0:
+            return cache
+        for i in range(len(self.sink_k)):
+            ks, vs = [self.sink_k[i]], [self.sink_v[i]]
+            leaves = self.leaves[i]
+            if leaves is not None:
+                slot_k, slot_v = self.read_out(i)
+                leaf_k, leaf_v, _ = read_leaves(leaves, self.window_k[i].dtype)
+                ks, vs = [*ks, slot_k, leaf_k], [*vs, slot_v, leaf_v]
+            k = torch.cat([*ks, self.window_k[i]], dim=2)
+            cache.update(k, torch.cat([*vs, self.window_v[i]], dim=2), i)
+        return cache
+
+    def keep_chunk(self, cache: DynamicCache, n: int, to_sinks: int) -> None:
+        """The chunk's keys as the model rotated them (cache indices n, n + 1, ...)."""
+        for i, layer in enumerate(cache.layers):
+            self.keep(i, layer.keys[:, :, n:], layer.values[:, :, n:], to_sinks)
+
+    def route(self, layer: int) -> Route:
+        """The bias of each query head over this layer's entries (`two_level_bias`)."""
+        state, leaves = self.states[layer], self.leaves[layer]
+        assert state is not None and leaves is not None
+        slot_k = self.read_out(layer)[0]
+        _, _, owner = read_leaves(leaves, slot_k.dtype)
+        count, sinks = state.count, self.sink_k[layer].shape[2]
+
+        def bias(q: Tensor, n_keys: int, scale: float) -> Tensor:
+            opened = open_slots(q, slot_k.to(q.dtype), count.to(q.dtype), self.config.open, scale)
+            window = n_keys - sinks - state.num_slots - len(leaves)
+            return two_level_bias(opened, count.to(q.dtype), owner, sinks, window)
+
+        return bias
+
+    def hooks(self, chunk: int) -> AttentionHooks | None:
+        if self.leaves[0] is None:
+            return None  # nothing has left the window: plain attention
+        return AttentionHooks(route=[self.route(i) for i in range(len(self.leaves))])
+
+    def forward(self, ids: Tensor) -> Tensor:
+        """Logits (B, L, V) of ids (B, L) at the next positions, after making room."""
+        check_positions(self.model, self.seen + ids.shape[1], "the input read so far")
+        return super().forward(ids)

@@ -7,13 +7,14 @@ transformers' AttentionInterface.
 duration of a forward: softmax attention under `hooks.mask` (by default causal, bottom-right
 aligned: query i of L sees the keys up to Lk - L + i), computed in at least float32, on keys
 and values rounded to `hooks.store_dtype` if given, with `hooks.bias[layer]` added to the
-logits of every query and, when `hooks.observe > 0`, the probabilities of the last `observe`
-queries summed over them and over the query heads that share each KV head.
+logits of every query, `hooks.route[layer]`'s bias to each query head's own and, when
+`hooks.observe > 0`, the probabilities of the last `observe` queries summed over them and over
+the query heads that share each KV head.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from torch import Tensor, nn
 from transformers import AttentionInterface
 
 NAME = "longkv_bounded"
+Route = Callable[[Tensor, int, float], Tensor]  # (queries, keys Lk, scale) -> (B, H, L, Lk)
 
 
 @dataclass
@@ -30,6 +32,8 @@ class AttentionHooks:
     """What one forward adds to attention and reads back from it.
 
     bias: per layer, None or (B, Hkv, Lk) added to every query's logits on those keys;
+    route: per layer, None or a function of the rotated queries (B, H, L, D), the number of keys
+    Lk and the logit scale that gives a bias (B, H, L, Lk) of its own to each query head;
     observe: how many of the last queries to sum probabilities over (0: none);
     seen: filled per layer with (B, Hkv, Lk) float32 probability mass of the observed queries;
     mask: which keys query i of L sees among Lk (`MASKS`);
@@ -38,6 +42,7 @@ class AttentionHooks:
     """
 
     bias: list[Tensor | None] | None = None
+    route: list[Route | None] | None = None
     observe: int = 0
     seen: dict[int, Tensor] = field(default_factory=dict)
     mask: str = "causal"
@@ -111,6 +116,9 @@ def bounded_attention(
     bias = None if hooks.bias is None else hooks.bias[layer]
     if bias is not None:
         scores = scores + bias.to(high)[:, :, None, None, :]
+    route = None if hooks.route is None else hooks.route[layer]
+    if route is not None:
+        scores = scores + route(query.to(high), Lk, scale).view(B, Hkv, G, L, Lk)
     probs = scores.softmax(dim=-1)
     if hooks.observe:
         hooks.seen[layer] = probs[..., -hooks.observe :, :].sum(dim=(2, 3)).float()
