@@ -370,6 +370,19 @@ def test_niah_with_fold_and_full_says_whether_they_agree(
     assert json.loads((tmp_path / "n.json").read_text())["fold_equals_full"] is True
 
 
+def test_niah_runs_two_level_kvm_fold_labelled_and_with_every_slot_open_answers_as_full(
+    tiny_model: str, tmp_path: Path
+) -> None:
+    argv = fold_and_full(tiny_model, tmp_path, "--dtype", "fp64")
+    argv[argv.index("fold")] = "kvm-fold"
+    two_level = ["--budgets", "64", "--sinks", "4", "--window", "32", "--kvm-open", "28"]
+    assert main([*argv, *two_level, "--stream-chunk", "16"]) == 0
+    records = json.loads((tmp_path / "n.json").read_text())["records"]
+    by_method = {r["method"]: r["prediction"] for r in records}
+    assert set(by_method) == {"full", "kvm-fold/fixed/open28@64"}
+    assert by_method["kvm-fold/fixed/open28@64"] == by_method["full"]  # 28 slots: all open
+
+
 @pytest.mark.parametrize(
     ("extra", "flag"),
     [

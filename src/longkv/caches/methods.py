@@ -3,7 +3,8 @@
 `full` (one forward) and `fold` (KV-Fold) keep every token; `streaming`, `snapkv` and
 `kvm-fold` keep at most a budget of entries per layer and KV head, and run once per budget in
 `budgets` (kvm-fold also once per state budget in `kvm_states`). Each run has a label:
-`streaming@1024`, `snapkv@1024`, `kvm-fold/sqrt@1024`.
+`streaming@1024`, `snapkv@1024`, `kvm-fold/sqrt@1024`, or for two-level KVM-Fold (`kvm_open`
+slots opened per query head) `kvm-fold/sqrt/open8@1024`; its leaves are outside the budget.
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ class BoundedOptions:
     kvm_readout: str = mirror(KVMFoldConfig, "readout", "kvm-fold: ")
     kvm_count_bias: bool = mirror(KVMFoldConfig, "count_bias", "kvm-fold: ")
     kvm_merge_threshold: float | None = mirror(KVMFoldConfig, "merge_threshold", "kvm-fold: ")
+    kvm_open: int = mirror(KVMFoldConfig, "open", "kvm-fold: ")
+    kvm_leaves: str = mirror(KVMFoldConfig, "leaves", "kvm-fold: ")
 
     def bounded_configs(self, methods: tuple[str, ...]) -> dict[str, BoundedConfig]:
         """The config of every bounded run of `methods`, by label; a bad option is refused,
@@ -86,11 +89,13 @@ class BoundedOptions:
                 configs[f"snapkv@{budget}"] = SnapKVConfig(
                     budget=budget, sinks=self.sinks, window=self.window
                 )
+            two_level = f"/open{self.kvm_open}" if self.kvm_open else ""
             for state in self.kvm_states if "kvm-fold" in methods else ():
-                configs[f"kvm-fold/{state}@{budget}"] = KVMFoldConfig(
+                configs[f"kvm-fold/{state}{two_level}@{budget}"] = KVMFoldConfig(
                     budget=budget, sinks=self.sinks, window=self.window, state=state,
                     growth_factor=self.kvm_growth_factor, readout=self.kvm_readout,
                     count_bias=self.kvm_count_bias, merge_threshold=self.kvm_merge_threshold,
+                    open=self.kvm_open, leaves=self.kvm_leaves,
                 )  # fmt: skip
         for label, config in configs.items():
             require(
