@@ -128,6 +128,7 @@ def test_opening_every_slot_is_the_exact_fold(arch: str, chunk: int, leaves: str
     assert run.logits is not None and exact.logits is not None
     gap = (run.logits - exact.logits).abs().max().item()
     assert gap <= (1e-5 if leaves == "exact" else 0.05), gap
+    assert runner.attention_share() == {"mean": 1.0, "max": 1.0}  # what full attention attends
     layer = runner.cache.layers[0]
     left = ids.shape[1] - chunk_tail(ids.shape[1], chunk) - 2 - 16
     # entries: sinks, 8 slot read-outs, every token that left the window, the window and chunk
@@ -144,8 +145,11 @@ def test_opening_fewer_slots_reads_less_and_differs_from_both_ends() -> None:
     exact = kv_fold(model, ids, ids.shape[1]).nll
     base = dict(budget=26, sinks=2, window=16)
     coarse = run_bounded(model, ids, KVMFoldConfig(**base), 8).nll
-    two = run_bounded(model, ids, KVMFoldConfig(**base, open=2), 8).nll
+    runner = make_runner(model, KVMFoldConfig(**base, open=2))
+    two = bounded_fold(runner, ids, 8).nll
     assert not torch.allclose(two, exact) and not torch.allclose(two, coarse)
+    share = runner.attention_share()  # 2 of 8 slots open: a part of what full attention reads
+    assert 0.3 < share["mean"] < 1.0 and share["max"] <= 1.0, share
     assert isinstance(make_runner(model, KVMFoldConfig(**base)), KVMFoldRunner)
 
 

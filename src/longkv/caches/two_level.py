@@ -107,6 +107,7 @@ class TwoLevelRunner(KVMFoldRunner):
         layers = model.config.num_hidden_layers
         self.leaves: list[Leaves | None] = [None] * layers
         self.slot_keys: list[Rows | None] = [None] * layers  # sums of rotated keys (B, Hkv, S, D)
+        self.attended: dict[str, float] = {"queries": 0, "share": 0.0, "max_share": 0.0}
 
     @property
     def position(self) -> int:
@@ -180,9 +181,29 @@ class TwoLevelRunner(KVMFoldRunner):
         def bias(q: Tensor, n_keys: int, scale: float) -> Tensor:
             opened = open_slots(q, slot_k.to(q.dtype), count.to(q.dtype), self.config.open, scale)
             window = n_keys - sinks - state.num_slots - len(leaves)
-            return two_level_bias(opened, count.to(q.dtype), owner, sinks, window)
+            out = two_level_bias(opened, count.to(q.dtype), owner, sinks, window)
+            self.tally(out)
+            return out
 
         return bias
+
+    def tally(self, bias: Tensor) -> None:
+        """Count the entries each query head of this forward attends (finite bias, causal)
+        against full attention's (every token up to its own)."""
+        L, n_keys = bias.shape[2], bias.shape[3]
+        causal = torch.ones(L, n_keys, dtype=torch.bool, device=bias.device).tril(n_keys - L)
+        attended = (bias.isfinite() & causal).sum(-1).double()  # (B, H, L)
+        full = torch.arange(self.seen + 1, self.seen + L + 1, device=bias.device).double()
+        share = attended / full
+        self.attended["queries"] += share.numel()
+        self.attended["share"] += float(share.sum())
+        self.attended["max_share"] = max(self.attended["max_share"], float(share.max()))
+
+    def attention_share(self) -> dict[str, float]:
+        """Over every query head and layer routed so far: the mean and the largest share of
+        full attention's entries it attended (full attention: the tokens up to its own)."""
+        n = self.attended["queries"]
+        return {"mean": self.attended["share"] / n if n else 1.0, "max": self.attended["max_share"]}
 
     def hooks(self, chunk: int) -> AttentionHooks | None:
         if self.leaves[0] is None:
