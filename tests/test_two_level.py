@@ -8,7 +8,13 @@ import torch
 from torch import Tensor
 
 from conftest import TOL, tiny_hf
-from longkv.caches import KVMFoldConfig, KVMFoldRunner, bounded_fold, run_bounded
+from longkv.caches import (
+    KVMFoldConfig,
+    KVMFoldRunner,
+    bounded_fold,
+    bounded_generate,
+    run_bounded,
+)
 from longkv.caches.methods import make_runner
 from longkv.caches.naive import two_level_attention_naive
 from longkv.caches.two_level import (
@@ -17,7 +23,7 @@ from longkv.caches.two_level import (
     two_level_attention,
     two_level_bias,
 )
-from longkv.fold import kv_fold
+from longkv.fold import fold_generate, kv_fold
 
 B, H, HKV, T, D, DV = 2, 4, 2, 3, 6, 5
 SINKS, SLOTS, LEAVES, WINDOW = 2, 5, 12, 4
@@ -158,3 +164,12 @@ def test_two_level_refuses_what_would_lose_a_leaf() -> None:
         KVMFoldConfig(budget=26, sinks=2, window=16, open=2, merge_threshold=0.5)
     with pytest.raises(ValueError, match="readout: two-level KVM-Fold routes on each slot"):
         KVMFoldConfig(budget=26, sinks=2, window=16, open=2, readout="founder")
+
+
+def test_greedy_decoding_with_every_slot_open_is_the_folds() -> None:
+    """Decoding goes through the same cache: tokens leave the window as they are generated."""
+    model, ids = tiny_hf("llama", torch.float64), ids_of(60)
+    want = fold_generate(model, ids, 60, 24)
+    runner = make_runner(model, KVMFoldConfig(budget=26, sinks=2, window=16, open=8))
+    assert torch.equal(bounded_generate(runner, ids, 8, 24), want)
+    assert runner.seen == 60 + 24 - 1  # the last token is generated, never read
