@@ -31,7 +31,7 @@ from longkv.attention.state import Rows
 from longkv.caches.kvm_fold import KVMFoldConfig, KVMFoldRunner
 from longkv.caches.kvm_state import read_slots
 from longkv.caches.leaves import Leaves, add_leaves, empty_leaves, read_leaves
-from longkv.fold.attention import AttentionHooks, Route
+from longkv.fold.attention import AttentionHooks, Route, visible_keys
 from longkv.fold.fold import check_positions
 
 
@@ -98,7 +98,11 @@ def two_level_attention(
 
 class TwoLevelRunner(KVMFoldRunner):
     """KVM-Fold whose slots index the exact tokens they own (config.open > 0): the bounded part
-    (sinks, slot read-outs, window) plus the leaves, every key at its own position."""
+    (sinks, slot read-outs, window) plus the leaves, every key at its own position.
+
+    Unlike the bounded runners it keeps the sinks' and window's keys as the model rotated them
+    (`keep_chunk`), so `absorb` receives rotated keys and undoes the rotation only for the
+    state, and `build_cache` rotates nothing."""
 
     method = "two-level KVM-Fold"
 
@@ -171,17 +175,18 @@ class TwoLevelRunner(KVMFoldRunner):
             self.keep(i, layer.keys[:, :, n:], layer.values[:, :, n:], to_sinks)
 
     def route(self, layer: int) -> Route:
-        """The bias of each query head over this layer's entries (`two_level_bias`)."""
+        """The bias of each query head over this layer's entries (`two_level_bias`), routed on
+        the slot read-outs as the cache holds them (entries sinks .. sinks + S - 1)."""
         state, leaves = self.states[layer], self.leaves[layer]
         assert state is not None and leaves is not None
-        slot_k = self.read_out(layer)[0]
-        _, _, owner = read_leaves(leaves, slot_k.dtype)
-        count, sinks = state.count, self.sink_k[layer].shape[2]
+        sinks, S, n_leaves = self.sink_k[layer].shape[2], state.num_slots, len(leaves)
+        owner = leaves.owner.tensor[..., 0]  # (B, Hkv, L)
 
-        def bias(q: Tensor, n_keys: int, scale: float) -> Tensor:
-            opened = open_slots(q, slot_k.to(q.dtype), count.to(q.dtype), self.config.open, scale)
-            window = n_keys - sinks - state.num_slots - len(leaves)
-            out = two_level_bias(opened, count.to(q.dtype), owner, sinks, window)
+        def bias(q: Tensor, keys: Tensor, scale: float) -> Tensor:
+            count = state.count.to(q.dtype)
+            opened = open_slots(q, keys[:, :, sinks : sinks + S], count, self.config.open, scale)
+            window = keys.shape[2] - sinks - S - n_leaves
+            out = two_level_bias(opened, count, owner, sinks, window)
             self.tally(out)
             return out
 
@@ -191,7 +196,7 @@ class TwoLevelRunner(KVMFoldRunner):
         """Count the entries each query head of this forward attends (finite bias, causal)
         against full attention's (every token up to its own)."""
         L, n_keys = bias.shape[2], bias.shape[3]
-        causal = torch.ones(L, n_keys, dtype=torch.bool, device=bias.device).tril(n_keys - L)
+        causal = visible_keys("causal", L, n_keys, bias.device)
         attended = (bias.isfinite() & causal).sum(-1).double()  # (B, H, L)
         full = torch.arange(self.seen + 1, self.seen + L + 1, device=bias.device).double()
         share = attended / full

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from transformers import AttentionInterface
 
 NAME = "longkv_bounded"
-Route = Callable[[Tensor, int, float], Tensor]  # (queries, keys Lk, scale) -> (B, H, L, Lk)
+Route = Callable[[Tensor, Tensor, float], Tensor]  # (queries, keys, scale) -> (B, H, L, Lk)
 
 
 @dataclass
@@ -32,8 +32,8 @@ class AttentionHooks:
     """What one forward adds to attention and reads back from it.
 
     bias: per layer, None or (B, Hkv, Lk) added to every query's logits on those keys;
-    route: per layer, None or a function of the rotated queries (B, H, L, D), the number of keys
-    Lk and the logit scale that gives a bias (B, H, L, Lk) of its own to each query head;
+    route: per layer, None or a function of the rotated queries (B, H, L, D), the keys
+    (B, Hkv, Lk, D) and the logit scale that gives a bias (B, H, L, Lk) to each query head;
     observe: how many of the last queries to sum probabilities over (0: none);
     seen: filled per layer with (B, Hkv, Lk) float32 probability mass of the observed queries;
     mask: which keys query i of L sees among Lk (`MASKS`);
@@ -118,7 +118,7 @@ def bounded_attention(
         scores = scores + bias.to(high)[:, :, None, None, :]
     route = None if hooks.route is None else hooks.route[layer]
     if route is not None:
-        scores = scores + route(query.to(high), Lk, scale).view(B, Hkv, G, L, Lk)
+        scores = scores + route(query.to(high), key.to(high), scale).view(B, Hkv, G, L, Lk)
     probs = scores.softmax(dim=-1)
     if hooks.observe:
         hooks.seen[layer] = probs[..., -hooks.observe :, :].sum(dim=(2, 3)).float()
