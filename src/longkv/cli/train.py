@@ -120,11 +120,11 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
 
 def run_train(args: argparse.Namespace, argv: list[str]) -> int:
     o = args.settings[RunOptions]
-    run = load_run(o.config, list(o.overrides))
-    out = RunSections.of(run).out
+    sections = RunSections.of(load_run(o.config, list(o.overrides)))
+    out = sections.out
     rank, command = world()[0], shlex.join(["longkv", *argv])
     try:
-        metrics = train_run(run, argv, rank)
+        metrics = train_run(sections, argv, rank)
     except KeyboardInterrupt as stop:  # no traceback: where the run stands and how to go on
         if rank == 0 and isinstance(stop, Interrupted):
             again = "resume with" if stop.checkpoint_step else "nothing to resume; rerun with"

@@ -114,11 +114,10 @@ class RunSections:
         }  # fmt: skip
 
 
-def train_run(run: dict[str, Any], argv: list[str] | None, rank: int) -> list[dict[str, float]]:
-    """Train the run (resuming from its checkpoint), then, on rank 0, record how it finished
-    (PROVENANCE, from argv), save its tokenizer beside the weights and its sections as RUN_FILE
-    (what eval-loss and compare-runs read). Returns the metrics of every step."""
-    s = RunSections.of(run)
+def train_run(s: RunSections, argv: list[str] | None, rank: int) -> list[dict[str, float]]:
+    """Train the run of sections s (resuming from its checkpoint), then, on rank 0, record how
+    it finished (PROVENANCE, from argv), save its tokenizer beside the weights and its sections
+    as RUN_FILE (what eval-loss and compare-runs read). Returns the metrics of every step."""
     tokenizer = load_tokenizer(s.data.tokenizer)
     config = model_config(s.model, tokenizer)
     text = packed_corpus(tokenizer, s.data)
