@@ -31,19 +31,11 @@ class SettingError(ValueError):
         self.owner, self.name, self.field, self.message = owner, name, field, message
 
 
-def settings_class(owner: object) -> type | None:
-    """The settings class of owner: owner itself if a class, its class if an instance, None
-    for None (a function's own argument)."""
-    if owner is None or isinstance(owner, type):
-        return owner
-    return type(owner)
-
-
 def refuse(owner: object, name: str, message: str) -> NoReturn:
     """Raise the SettingError of setting `name` of owner (a settings class or instance, or None
     for a function's argument). A dataclass owner must declare the field: a renamed field then
     fails loudly instead of naming a setting that no longer exists."""
-    cls = settings_class(owner)
+    cls = owner if owner is None or isinstance(owner, type) else type(owner)
     declared = dataclasses.is_dataclass(cls) and name in {f.name for f in dataclasses.fields(cls)}
     held = cls is not owner and hasattr(owner, name)  # an instance's own setting
     if dataclasses.is_dataclass(cls) and not (declared or held):
