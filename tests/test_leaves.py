@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from longkv.caches import KVMFoldConfig
 from longkv.caches.kvm_state import empty_state
 from longkv.caches.leaves import add_leaves, empty_leaves, read_leaves
 from longkv.caches.naive import update_state_naive
@@ -73,7 +74,8 @@ def test_int8_leaves_come_back_within_half_a_step_in_a_quarter_of_the_bytes() ->
     assert leaves.nbytes == B * HKV * 7 * ((D + DV) * 1 + 2 * 4 + 8)  # codes, scales, owners
 
 
-def test_an_unknown_store_is_refused() -> None:
-    ((k, v),) = blocks(3, 1, 1)
-    with pytest.raises(ValueError, match="store: 'fp4' is not one of"):
-        empty_leaves(k, v, "fp4")
+def test_an_unknown_store_is_refused_naming_the_setting() -> None:
+    with pytest.raises(
+        ValueError, match=r"KVMFoldConfig\.leaves: must be one of \('exact', 'int8'\)"
+    ):
+        KVMFoldConfig(budget=26, sinks=2, window=16, open=2, leaves="fp4")

@@ -47,9 +47,8 @@ class Leaves:
 
 
 def empty_leaves(keys: Tensor, values: Tensor, store: str = "exact") -> Leaves:
-    """No leaves, shaped for keys (B, Hkv, *, D) and values (B, Hkv, *, Dv) in `store`."""
-    if store not in LEAF_STORES:
-        raise ValueError(f"store: {store!r} is not one of {list(LEAF_STORES)}")
+    """No leaves, shaped for keys (B, Hkv, *, D) and values (B, Hkv, *, Dv) in `store` (one of
+    LEAF_STORES, as `KVMFoldConfig.leaves` checks)."""
     B, Hkv, D = keys.shape[0], keys.shape[1], keys.shape[-1]
     width = D + values.shape[-1]
     dtype = torch.int8 if store == "int8" else keys.dtype
