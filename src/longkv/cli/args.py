@@ -14,12 +14,14 @@ from __future__ import annotations
 import argparse
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, TypeVar
 
 from longkv.checks import SettingError
 
 S = TypeVar("S")
+Command = Callable[[argparse.Namespace, list[str]], int]  # (parsed options, argv) -> exit status
 DECLARED = "declared"  # the Namespace attribute holding the chosen command's Declared
 
 
@@ -120,6 +122,14 @@ def add_settings(parser: argparse.ArgumentParser, cls: type) -> None:
         if f.metadata.get("feeds") is not None:
             spec.feeds.append((*f.metadata["feeds"], flag))
     spec.classes.append(cls)
+
+
+def command(parser: argparse.ArgumentParser, run: Command, *classes: type) -> None:
+    """Make parser the command that runs `run(args, argv)` on the settings of classes: their
+    fields become its options (`add_settings`), built into `args.settings` before it runs."""
+    for cls in classes:
+        add_settings(parser, cls)
+    parser.set_defaults(func=run)
 
 
 def settings_from_args(cls: type[S], args: argparse.Namespace) -> S:

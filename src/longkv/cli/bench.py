@@ -6,7 +6,7 @@ import argparse
 
 from longkv.bench import kvm as bench_kvm
 from longkv.bench import train as bench_train
-from longkv.cli.args import HelpFormatter, add_settings
+from longkv.cli.args import HelpFormatter, command
 
 
 def configure(name: str, parser: argparse.ArgumentParser) -> None:
@@ -21,8 +21,7 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
         sub = benches.add_parser(
             bench, help=help_text, description=module.__doc__, formatter_class=HelpFormatter
         )
-        add_settings(sub, settings)
-        sub.set_defaults(func=run)
+        command(sub, run, settings)
 
 
 def _run_bench_kvm(args: argparse.Namespace, argv: list[str]) -> int:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from longkv.bench.bounded import bounded_nll, write_bounded_page
 from longkv.checks import require_at_least, setting
-from longkv.cli.args import add_settings
+from longkv.cli.args import command
 from longkv.cli.common import ModelOptions, dtype_setting, require_positions
 from longkv.data.corpus import DEFAULT_TEXT
 from longkv.evals.niah_records import NiahRecord, NiahSettings
@@ -45,10 +45,7 @@ class BoundedStudyOptions:
 
 def configure(name: str, parser: argparse.ArgumentParser) -> None:
     """The options of `bounded`."""
-    add_settings(parser, ModelOptions)
-    add_settings(parser, BoundedStudyOptions)
-    add_settings(parser, NiahSettings)
-    parser.set_defaults(func=run)
+    command(parser, run, ModelOptions, BoundedStudyOptions, NiahSettings)
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:

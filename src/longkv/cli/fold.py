@@ -9,7 +9,7 @@ from pathlib import Path
 from longkv.bench.compare import compare_methods, markdown_rows
 from longkv.caches.methods import CACHE_METHODS, BoundedOptions, describe_runs
 from longkv.checks import refused_as, require_at_least, setting
-from longkv.cli.args import add_settings
+from longkv.cli.args import command
 from longkv.cli.common import ModelOptions, dtype_setting, require_positions
 from longkv.data.corpus import DEFAULT_TEXT
 from longkv.dtypes import DTYPES
@@ -82,13 +82,10 @@ class DriftOptions(TextOptions):
 
 def configure(name: str, parser: argparse.ArgumentParser) -> None:
     """The options of `fold` or `drift`."""
-    add_settings(parser, ModelOptions)
     if name == "fold":
-        add_settings(parser, FoldOptions)
-        parser.set_defaults(func=run_fold)
+        command(parser, run_fold, ModelOptions, FoldOptions)
     else:
-        add_settings(parser, DriftOptions)
-        parser.set_defaults(func=run_drift)
+        command(parser, run_drift, ModelOptions, DriftOptions)
 
 
 def run_fold(args: argparse.Namespace, argv: list[str]) -> int:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from longkv.checks import setting
-from longkv.cli.args import add_settings
+from longkv.cli.args import command
 from longkv.cli.common import ModelOptions, dtype_setting
 from longkv.evals.niah_records import NiahSettings
 from longkv.evals.niah_report import accuracy_table, verdict, write_niah_page
@@ -28,10 +28,7 @@ class NiahOptions:
 
 def configure(name: str, parser: argparse.ArgumentParser) -> None:
     """The options of `niah`; its defaults are the short demonstration `make run` shows."""
-    add_settings(parser, ModelOptions)
-    add_settings(parser, NiahOptions)
-    add_settings(parser, NiahSettings)
-    parser.set_defaults(func=run)
+    command(parser, run, ModelOptions, NiahOptions, NiahSettings)
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:

@@ -9,7 +9,7 @@ import sys
 from dataclasses import dataclass
 
 from longkv.checks import refused_as, setting
-from longkv.cli.args import add_settings
+from longkv.cli.args import command
 from longkv.results import OUT_DIR
 from longkv.study.config import load_study
 from longkv.study.grid import RUNS_DIR, StudyData, check_subset, run_study
@@ -34,8 +34,7 @@ class StudyOptions:
 
 def configure(name: str, parser: argparse.ArgumentParser) -> None:
     """The options of `longkv study`."""
-    add_settings(parser, StudyOptions)
-    parser.set_defaults(func=run_study_command)
+    command(parser, run_study_command, StudyOptions)
 
 
 def run_study_command(args: argparse.Namespace, argv: list[str]) -> int:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from longkv.checks import require_at_least, setting
-from longkv.cli.args import HelpFormatter, add_settings
+from longkv.cli.args import HelpFormatter, command
 from longkv.data.corpus import read_document
 from longkv.models.pretrained import load_model, resolve_model
 from longkv.results import OUT_DIR, OUT_DIR_HELP
@@ -106,16 +106,14 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
             description="Train a byte-level BPE on a corpus's training documents.",
             formatter_class=HelpFormatter,
         )
-    settings, run = {
-        "train": ([RunOptions], run_train),
-        "eval-loss": ([RunOptions, EvalOptions], run_eval),
-        "generate": ([GenerateOptions], run_generate),
-        "compare-runs": ([CompareOptions], run_compare),
-        "tokenizer": ([TokenizerOptions], run_tokenizer_train),
+    run, *settings = {
+        "train": (run_train, RunOptions),
+        "eval-loss": (run_eval, RunOptions, EvalOptions),
+        "generate": (run_generate, GenerateOptions),
+        "compare-runs": (run_compare, CompareOptions),
+        "tokenizer": (run_tokenizer_train, TokenizerOptions),
     }[name]
-    for cls in settings:
-        add_settings(parser, cls)
-    parser.set_defaults(func=run)
+    command(parser, run, *settings)
 
 
 def run_train(args: argparse.Namespace, argv: list[str]) -> int:
