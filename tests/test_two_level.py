@@ -19,11 +19,13 @@ from longkv.caches.methods import make_runner
 from longkv.caches.naive import two_level_attention_naive
 from longkv.caches.two_level import (
     TwoLevelRunner,
+    attended_entries,
     open_slots,
     two_level_attention,
     two_level_bias,
 )
 from longkv.fold import fold_generate, kv_fold
+from longkv.fold.attention import visible_keys
 
 B, H, HKV, T, D, DV = 2, 4, 2, 3, 6, 5
 SINKS, SLOTS, LEAVES, WINDOW = 2, 5, 12, 4
@@ -109,6 +111,16 @@ def test_each_query_head_opens_its_top_slots_the_earlier_on_ties() -> None:
     # one slot each: slots 1 and 2 tie for head 1, the earlier wins
     assert open_slots(q, slot_k, count, 1, 1.0)[0, 1, 0].tolist() == [False, True, False, False]
     assert open_slots(q, slot_k, count, 9, 1.0).all()  # k beyond the slots opens them all
+
+
+@pytest.mark.parametrize("k", [0, 2, SLOTS])
+def test_the_attended_entries_are_the_finite_entries_of_the_bias_the_window_causal(k: int) -> None:
+    q, entries, count, owner = case(4)
+    opened = open_slots(q, entries["slots"][0], count, k, SCALE)
+    bias = two_level_bias(opened, count, owner, SINKS, WINDOW)
+    causal = visible_keys("causal", T, bias.shape[-1])
+    want = (bias.isfinite() & causal).sum(-1).double()
+    assert torch.equal(attended_entries(opened, count, SINKS, WINDOW), want)
 
 
 # the runner: a frozen model through the two-level cache ----------------------------------------

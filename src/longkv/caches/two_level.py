@@ -31,7 +31,7 @@ from longkv.attention.state import Rows
 from longkv.caches.kvm_fold import KVMFoldConfig, KVMFoldRunner
 from longkv.caches.kvm_state import read_slots
 from longkv.caches.leaves import Leaves, add_leaves, empty_leaves, read_leaves
-from longkv.fold.attention import AttentionHooks, Route, visible_keys
+from longkv.fold.attention import AttentionHooks, Route
 from longkv.fold.fold import check_positions
 
 
@@ -42,16 +42,14 @@ def open_slots(q: Tensor, slot_k: Tensor, count: Tensor, k_open: int, scale: flo
     heads share their KV head's slots); count (B, Hkv, S) tokens per slot. Returns (B, H, T, S)
     bool, exactly min(k_open, S) True per query head; ties go to the earlier slot.
     """
-    B, H, T, _ = q.shape
-    S = slot_k.shape[2]
-    opened = torch.zeros(B, H, T, S, dtype=torch.bool, device=q.device)
-    k = min(k_open, S)
+    k = min(k_open, slot_k.shape[2])
     if k == 0:
-        return opened
+        return torch.zeros(*q.shape[:3], slot_k.shape[2], dtype=torch.bool, device=q.device)
     rank = slot_logits(q, slot_k, count, scale)  # (B, H, T, S)
-    # a stable descending sort keeps the earlier slot first among equal scores
-    top = rank.argsort(dim=-1, descending=True, stable=True)[..., :k]
-    return opened.scatter(-1, top, True)
+    kth = rank.topk(k, dim=-1).values[..., -1:]  # each query head's k-th highest score
+    above, tied = rank > kth, rank == kth
+    room = k - above.sum(-1, keepdim=True)  # how many of the tied slots still open
+    return above | (tied & (tied.cumsum(-1) <= room))  # the earlier tied slots first
 
 
 def slot_logits(q: Tensor, slot_k: Tensor, count: Tensor, scale: float) -> Tensor:
@@ -74,13 +72,28 @@ def two_level_bias(opened: Tensor, count: Tensor, owner: Tensor, sinks: int, win
     """
     B, H, T, S = opened.shape
     groups = H // count.shape[1]
-    log_count = count.log().repeat_interleave(groups, dim=1).unsqueeze(2).expand(B, H, T, S)
-    blocked = torch.tensor(float("-inf"), dtype=log_count.dtype, device=opened.device)
-    means = torch.where(opened, blocked, log_count)
-    slot_of = owner.repeat_interleave(groups, dim=1).unsqueeze(2).expand(B, H, T, -1)
-    leaves = torch.where(opened.gather(-1, slot_of), 0.0, blocked)
-    edge = log_count.new_zeros
-    return torch.cat([edge(B, H, T, sinks), means, leaves, edge(B, H, T, window)], dim=-1)
+    L = owner.shape[-1]
+    out = count.new_zeros(B, H, T, sinks + S + L + window)
+    log_count = count.log().repeat_interleave(groups, dim=1).unsqueeze(2)  # (B, H, 1, S)
+    out[..., sinks : sinks + S] = log_count.masked_fill(opened, float("-inf"))
+    slot_of = owner.repeat_interleave(groups, dim=1).unsqueeze(2).expand(B, H, T, L)
+    out[..., sinks + S : sinks + S + L].masked_fill_(~opened.gather(-1, slot_of), float("-inf"))
+    return out
+
+
+def attended_entries(opened: Tensor, count: Tensor, sinks: int, window: int) -> Tensor:
+    """(B, H, T) float: how many entries each query head attends under `two_level_bias`, with
+    the window causal (query t of T sees its first window - T + t + 1 entries): the sinks, the
+    unopened read-outs, the leaves of the opened slots (as many as their count) and the window.
+
+    opened (B, H, T, S); count (B, Hkv, S) the tokens (leaves) of each slot."""
+    T = opened.shape[2]
+    groups = opened.shape[1] // count.shape[1]
+    per_slot = count.repeat_interleave(groups, dim=1).unsqueeze(-1)  # (B, H, S, 1)
+    leaves = (opened.to(count.dtype) @ per_slot)[..., 0]  # (B, H, T)
+    unopened = opened.shape[-1] - opened.sum(-1)
+    causal = torch.arange(window - T + 1, window + 1, device=opened.device)
+    return sinks + unopened + leaves + causal
 
 
 def two_level_attention(
@@ -186,20 +199,17 @@ class TwoLevelRunner(KVMFoldRunner):
             count = state.count.to(q.dtype)
             opened = open_slots(q, keys[:, :, sinks : sinks + S], count, self.config.open, scale)
             window = keys.shape[2] - sinks - S - n_leaves
-            out = two_level_bias(opened, count, owner, sinks, window)
-            self.tally(out)
-            return out
+            self.tally(attended_entries(opened, count, sinks, window))
+            return two_level_bias(opened, count, owner, sinks, window)
 
         return bias
 
-    def tally(self, bias: Tensor) -> None:
-        """Count the entries each query head of this forward attends (finite bias, causal)
-        against full attention's (every token up to its own)."""
-        L, n_keys = bias.shape[2], bias.shape[3]
-        causal = visible_keys("causal", L, n_keys, bias.device)
-        attended = (bias.isfinite() & causal).sum(-1).double()  # (B, H, L)
-        full = torch.arange(self.seen + 1, self.seen + L + 1, device=bias.device).double()
-        share = attended / full
+    def tally(self, attended: Tensor) -> None:
+        """Add the entries each query head of this forward attends, (B, H, L), as a share of
+        full attention's (every token up to its own)."""
+        L = attended.shape[2]
+        full = torch.arange(self.seen + 1, self.seen + L + 1, device=attended.device)
+        share = attended.double() / full
         self.attended["queries"] += share.numel()
         self.attended["share"] += float(share.sum())
         self.attended["max_share"] = max(self.attended["max_share"], float(share.max()))
