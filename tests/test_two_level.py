@@ -147,15 +147,11 @@ def test_opening_every_slot_is_the_exact_fold(arch: str, chunk: int, leaves: str
     gap = (run.logits - exact.logits).abs().max().item()
     assert gap <= (1e-5 if leaves == "exact" else 0.05), gap
     assert runner.attention_share() == {"mean": 1.0, "max": 1.0}  # what full attention attends
-    layer = runner.cache.layers[0]
-    left = ids.shape[1] - chunk_tail(ids.shape[1], chunk) - 2 - 16
-    # entries: sinks, 8 slot read-outs, every token that left the window, the window and chunk
-    assert layer.keys.shape[2] == 2 + 8 + left + 16 + chunk_tail(ids.shape[1], chunk)
-
-
-def chunk_tail(n: int, chunk: int) -> int:
-    """Tokens in the last chunk of n read in chunks."""
-    return n - (n - 1) // chunk * chunk
+    leaves = runner.leaves[0]
+    assert leaves is not None and len(leaves) == ids.shape[1] - 2 - 16  # all but sinks, window
+    # the cache of the last forward: the bounded part, 2 sinks, 8 read-outs, the window of 16
+    assert runner.cache.layers[0].keys.shape[2] == 2 + 8 + 16
+    assert runner.resident_bytes()["leaves_file"] == 0
 
 
 def test_opening_fewer_slots_reads_less_and_differs_from_both_ends() -> None:
@@ -169,6 +165,35 @@ def test_opening_fewer_slots_reads_less_and_differs_from_both_ends() -> None:
     share = runner.attention_share()  # 2 of 8 slots open: a part of what full attention reads
     assert 0.3 < share["mean"] < 1.0 and share["max"] <= 1.0, share
     assert isinstance(make_runner(model, KVMFoldConfig(**base)), KVMFoldRunner)
+
+
+@pytest.mark.parametrize("store", ["exact", "file"])
+def test_gathering_the_opened_slots_leaves_attends_as_every_leaf_with_the_bias(store: str) -> None:
+    """A layer's route gathers only the leaves of slots some query head opens; softmax over
+    them equals softmax over every leaf under `two_level_bias` (float64, 1e-10)."""
+    model, ids = tiny_hf("llama", torch.float64), ids_of()
+    runner = make_runner(model, KVMFoldConfig(budget=26, sinks=2, window=16, open=2, leaves=store))
+    assert isinstance(runner, TwoLevelRunner)
+    bounded_fold(runner, ids, 8)
+    layer = runner.cache.layers[0]  # the last forward's bounded part: the chunk is its tail
+    keys, values = layer.keys, layer.values
+    state, leaves = runner.states[0], runner.leaves[0]
+    assert state is not None and leaves is not None
+    q = torch.randn(2, 4, 3, keys.shape[-1], generator=torch.Generator().manual_seed(1))
+    q = q.double()
+    got_k, got_v, got_bias = runner.route(0)(q, keys, values, 0.3)
+    assert got_k.shape[2] < keys.shape[2] + len(leaves)  # not every leaf was read
+    causal = visible_keys("causal", 3, got_k.shape[2])
+    fast = two_level_attention(q, got_k, got_v, got_bias.masked_fill(~causal, float("-inf")), 0.3)
+    every = leaves.gather(None, torch.float64)
+    S, window = state.num_slots, keys.shape[2] - 2 - state.num_slots
+    opened = open_slots(q, keys[:, :, 2 : 2 + S], state.count.double(), 2, 0.3)
+    bias = two_level_bias(opened, state.count.double(), every.owner, 2, window)
+    all_k = torch.cat([keys[:, :, : 2 + S], every.keys, keys[:, :, 2 + S :]], dim=2)
+    all_v = torch.cat([values[:, :, : 2 + S], every.values, values[:, :, 2 + S :]], dim=2)
+    causal = visible_keys("causal", 3, all_k.shape[2])
+    want = two_level_attention(q, all_k, all_v, bias.masked_fill(~causal, float("-inf")), 0.3)
+    torch.testing.assert_close(fast, want, rtol=0, atol=TOL)
 
 
 def test_two_level_refuses_what_would_lose_a_leaf() -> None:

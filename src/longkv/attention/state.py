@@ -26,6 +26,11 @@ class Store:
         return self.data.shape[2]
 
 
+def tensor_bytes(*tensors: Tensor) -> int:
+    """Bytes of the elements of tensors (a view counts its own elements only)."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 @dataclass(frozen=True)
 class Rows:
     """Rows [lo, hi) along dim 2 of a Store (tensor: (B, Hkv, hi - lo, width)).
@@ -184,7 +189,7 @@ class WindowCache:
     def nbytes(self) -> int:
         """Bytes of the cached tokens (`storage_bytes`: with the buffers' spare room)."""
         tensors = [self.k, self.v] + ([self.g] if self.g is not None else [])
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return tensor_bytes(*tensors)
 
     @property
     def storage_bytes(self) -> int:

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 
 from longkv.attention.rope import angles_at, rotate
+from longkv.attention.state import tensor_bytes
 from longkv.checks import refuse, require, setting
 from longkv.fold import compat
 from longkv.fold.attention import AttentionHooks, hooked
@@ -192,6 +193,18 @@ class BoundedRunner:
 
     def observed(self, hooks: AttentionHooks) -> None:
         """Read what the forward left in the hooks."""
+
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes the cache holds now, over layers: {"bounded": sinks, middle and window}
+        (subclasses with more parts add their own keys)."""
+        exact = tensor_bytes(*self.sink_k, *self.sink_v, *self.window_k, *self.window_v)
+        return {"bounded": exact + self.middle_bytes()}
+
+    def middle_bytes(self) -> int:
+        """Bytes of what the middle keeps, over layers."""
+        if not self.seen:
+            return 0
+        return sum(tensor_bytes(*self.middle(i)) for i in range(len(self.sink_k)))
 
     # the cache
     @property

@@ -11,11 +11,13 @@ the cache leaves for the middle (budget - sinks - window).
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
+from longkv.attention.state import tensor_bytes
 from longkv.caches.bounded import BoundedConfig, BoundedRunner
 from longkv.caches.kvm_state import (
     DROPPED,
@@ -68,8 +70,14 @@ class KVMFoldConfig(BoundedConfig):
     leaves: str = setting(
         "exact",
         "two-level KVM-Fold: how the tokens that left the window are kept: exact (the model's "
-        "dtype) or int8 (a code per channel, a scale per token and head)",
+        "dtype, in memory), int8 (in memory, a code per channel, a scale per token and head) or "
+        "file (the model's dtype, in a memory-mapped file per layer)",
         choices=LEAF_STORES,
+    )
+    leaf_dir: str | None = setting(
+        None,
+        "two-level KVM-Fold, file leaves: the folder their files go to (default: the system's "
+        "temporary folder); the files are removed with the cache",
     )
 
     def __post_init__(self) -> None:
@@ -87,6 +95,10 @@ class KVMFoldConfig(BoundedConfig):
             self.budget_rule  # noqa: B018
         require_at_least(0, self, "open")
         require(self.leaves in LEAF_STORES, self, "leaves", f"must be one of {LEAF_STORES}")
+        require(
+            self.leaf_dir is None or os.path.isdir(self.leaf_dir), self, "leaf_dir",
+            f"{self.leaf_dir!r} is not a folder; create it or leave it unset",
+        )  # fmt: skip
         if self.open:  # every token that leaves the window must stay a leaf of its mean
             require(
                 self.merge_threshold is None, self, "merge_threshold",
@@ -154,6 +166,14 @@ class KVMFoldRunner(BoundedRunner):
             k, v = self.window_k[layer], self.window_v[layer]
             return k[:, :, :0], v[:, :, :0]
         return read_slots(state, self.config.readout)
+
+    def middle_bytes(self) -> int:
+        """Bytes of the states: slot sums and counts, founders' norms and indices."""
+        return sum(
+            tensor_bytes(s.slots.tensor, s.key_norm, s.value_norm, s.founder)
+            for s in self.states
+            if s is not None
+        )
 
     def absorb(self, layer: int, keys: Tensor, values: Tensor, first: int) -> None:
         self.fold_in(layer, keys, values, first, self.sink_k[layer])

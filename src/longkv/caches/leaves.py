@@ -1,65 +1,129 @@
 """The leaves of two-level KVM-Fold: every token that left the window, exact, owned by one slot.
 
 A leaf is a token's key and value as the model produced them, and the slot it founded or merged
-into (`caches.kvm_state.update_state`'s dest). They are kept in one of two stores:
-- "exact": in the model's dtype; opening every slot then gives the exact cache.
-- "int8": a code in [-127, 127] per channel and a float32 scale per token and head, one for the
-  key and one for the value (scale = the row's largest magnitude / 127), so a channel comes back
-  within half a step: |x - read(x)| <= max |row| / 254. A quarter of fp32's bytes (plus 8 bytes of
-  scales per token and head).
-Leaves sit outside the bounded part of the cache: `nbytes` counts them on their own.
+into (`caches.kvm_state.update_state`'s dest). A `LeafStore` keeps the leaves of one layer behind
+one small interface: `append` the tokens that leave the window, `gather` the leaves of some slots
+(all of them for a prefill chunk, whose queries open nearly every slot between them; those of a
+few slots for a decoded token), and count its bytes. The stores (`LEAF_STORES`):
+- "exact": keys and values in the model's dtype, in memory; opening every slot then gives the
+  exact cache.
+- "int8": in memory, a code in [-127, 127] per channel and a float32 scale per token and head,
+  one for the key and one for the value (scale = the row's largest magnitude / 127), so a
+  channel comes back within half a step: |x - read(x)| <= max |row| / 254. A quarter of fp32's
+  bytes (plus 8 bytes of scales per token and head).
+- "file": exact, in a memory-mapped file (one per layer, in `directory` or the system's temporary
+  folder, removed with the store); only the owners stay in memory, and a gather reads the rows of
+  the leaves it returns.
+The owners (one int64 per leaf, KV head and row) are always in memory: routing needs them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+import tempfile
+import weakref
+from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from longkv.attention.state import Rows
+from longkv.attention.state import Rows, tensor_bytes
 
-LEAF_STORES = ("exact", "int8")
+LEAF_STORES = ("exact", "int8", "file")
 LEVELS = 127  # the largest int8 code
 
 
-@dataclass(frozen=True)
-class Leaves:
-    """Leaves of one layer, in order of leaving: rows (B, Hkv, L, D + Dv) keys then values, as
-    stored; scale (B, Hkv, L, 2) the int8 scales of key and value (None when exact); owner
-    (B, Hkv, L, 1) the slot each leaf belongs to; key_dim: D."""
+class Gathered(NamedTuple):
+    """Leaves read from a store: keys (B, Hkv, n, D), values (B, Hkv, n, Dv), owner (B, Hkv, n),
+    and valid (B, Hkv, n) bool, False on the padding of a KV head that has fewer leaves than
+    another (None: all valid)."""
 
-    rows: Rows
-    scale: Rows | None
-    owner: Rows
-    key_dim: int
+    keys: Tensor
+    values: Tensor
+    owner: Tensor
+    valid: Tensor | None
+
+
+class LeafStore:
+    """The leaves of one layer, in order of leaving; subclasses say how the keys and values are
+    stored (`_append`, `_read`, `nbytes`)."""
+
+    def __init__(self, keys: Tensor, values: Tensor):
+        """An empty store for keys (B, Hkv, *, D) and values (B, Hkv, *, Dv)."""
+        self.key_dim = keys.shape[-1]
+        self.width = self.key_dim + values.shape[-1]
+        self.dtype = keys.dtype
+        self.owner = Rows.of(keys.new_zeros(*keys.shape[:2], 0, 1, dtype=torch.long))
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return len(self.owner)
+
+    def append(self, keys: Tensor, values: Tensor, owner: Tensor) -> None:
+        """Add the tokens keys (B, Hkv, m, D), values (B, Hkv, m, Dv) owned by owner (B, Hkv, m)."""
+        self._append(keys, values)
+        self.owner = self.owner.append(owner.unsqueeze(-1), True)
+
+    def gather(self, slots: Tensor | None, dtype: torch.dtype) -> Gathered:
+        """The leaves of the slots marked in slots (B, Hkv, S) bool (None: every leaf), in order
+        of leaving, keys and values in dtype; a KV head with fewer of them is padded (`valid`)."""
+        owner = self.owner.tensor[..., 0]  # (B, Hkv, L)
+        if slots is None or bool(slots.all()):
+            keys, values = self._read(None, dtype)
+            return Gathered(keys, values, owner, None)
+        chosen = slots.gather(-1, owner)  # (B, Hkv, L)
+        n = chosen.sum(-1, keepdim=True)  # (B, Hkv, 1)
+        # the chosen leaves first, each group in order of leaving (a stable sort)
+        index = (~chosen).to(torch.uint8).argsort(dim=-1, stable=True)[..., : int(n.max())]
+        valid = torch.arange(index.shape[-1], device=index.device) < n
+        keys, values = self._read(index, dtype)
+        return Gathered(keys, values, owner.gather(-1, index), valid)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the leaves held: codes or keys and values, scales, owners."""
-        parts = [self.rows.tensor, self.owner.tensor]
-        if self.scale is not None:
-            parts.append(self.scale.tensor)
-        return sum(t.numel() * t.element_size() for t in parts)
+        """Bytes of the leaves held in memory (keys and values or their codes, scales, owners)."""
+        return tensor_bytes(self.owner.tensor)
+
+    @property
+    def file_bytes(self) -> int:
+        """Bytes of the leaves kept in a file."""
+        return 0
+
+    def _append(self, keys: Tensor, values: Tensor) -> None:
+        raise NotImplementedError
+
+    def _read(self, index: Tensor | None, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """Keys (B, Hkv, n, D) and values of the leaves index (B, Hkv, n) (None: all) in dtype."""
+        raise NotImplementedError
+
+    def _split(self, rows: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        D = self.key_dim
+        return rows[..., :D].to(dtype), rows[..., D:].to(dtype)
 
 
-def empty_leaves(keys: Tensor, values: Tensor, store: str = "exact") -> Leaves:
-    """No leaves, shaped for keys (B, Hkv, *, D) and values (B, Hkv, *, Dv) in `store` (one of
-    LEAF_STORES, as `KVMFoldConfig.leaves` checks)."""
-    B, Hkv, D = keys.shape[0], keys.shape[1], keys.shape[-1]
-    width = D + values.shape[-1]
-    dtype = torch.int8 if store == "int8" else keys.dtype
-    new = keys.new_zeros
-    scale = Rows.of(new(B, Hkv, 0, 2, dtype=torch.float32)) if store == "int8" else None
-    return Leaves(
-        Rows.of(new(B, Hkv, 0, width, dtype=dtype)),
-        scale,
-        Rows.of(new(B, Hkv, 0, 1, dtype=torch.long)),
-        D,
-    )
+def pick(rows: Tensor, index: Tensor | None) -> Tensor:
+    """rows (B, Hkv, L, w) at index (B, Hkv, n) along dim 2 (None: all of them)."""
+    if index is None:
+        return rows
+    return rows.gather(2, index.unsqueeze(-1).expand(*index.shape, rows.shape[-1]))
+
+
+class ExactLeaves(LeafStore):
+    """Keys and values in the model's dtype, in memory."""
+
+    def __init__(self, keys: Tensor, values: Tensor):
+        super().__init__(keys, values)
+        self.rows = Rows.of(keys.new_zeros(*keys.shape[:2], 0, self.width))
+
+    def _append(self, keys: Tensor, values: Tensor) -> None:
+        self.rows = self.rows.append(torch.cat([keys, values], dim=-1), True)
+
+    def _read(self, index: Tensor | None, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        return self._split(pick(self.rows.tensor, index), dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return super().nbytes + tensor_bytes(self.rows.tensor)
 
 
 def quantize(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -70,28 +134,93 @@ def quantize(x: Tensor) -> tuple[Tensor, Tensor]:
     return codes.round().clamp(-LEVELS, LEVELS).to(torch.int8), scale
 
 
-def add_leaves(
-    leaves: Leaves, keys: Tensor, values: Tensor, owner: Tensor, donate: bool = False
-) -> Leaves:
-    """leaves with the tokens keys (B, Hkv, m, D), values (B, Hkv, m, Dv) appended, owned by
-    owner (B, Hkv, m); donate: the given leaves' buffers may be grown in place."""
-    own = leaves.owner.append(owner.unsqueeze(-1), donate)
-    if leaves.scale is None:
-        rows = leaves.rows.append(torch.cat([keys, values], dim=-1), donate)
-        return Leaves(rows, None, own, leaves.key_dim)
-    k_codes, k_scale = quantize(keys)
-    v_codes, v_scale = quantize(values)
-    rows = leaves.rows.append(torch.cat([k_codes, v_codes], dim=-1), donate)
-    scale = leaves.scale.append(torch.cat([k_scale, v_scale], dim=-1), donate)
-    return Leaves(rows, scale, own, leaves.key_dim)
+class Int8Leaves(LeafStore):
+    """int8 codes of keys and values, in memory, with a float32 scale per token and head each."""
+
+    def __init__(self, keys: Tensor, values: Tensor):
+        super().__init__(keys, values)
+        new = keys.new_zeros
+        self.codes = Rows.of(new(*keys.shape[:2], 0, self.width, dtype=torch.int8))
+        self.scale = Rows.of(new(*keys.shape[:2], 0, 2, dtype=torch.float32))  # key, value
+
+    def _append(self, keys: Tensor, values: Tensor) -> None:
+        k_codes, k_scale = quantize(keys)
+        v_codes, v_scale = quantize(values)
+        self.codes = self.codes.append(torch.cat([k_codes, v_codes], dim=-1), True)
+        self.scale = self.scale.append(torch.cat([k_scale, v_scale], dim=-1), True)
+
+    def _read(self, index: Tensor | None, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        codes, scale = pick(self.codes.tensor, index), pick(self.scale.tensor, index)
+        keys, values = self._split(codes, torch.float32)
+        return (keys * scale[..., :1]).to(dtype), (values * scale[..., 1:]).to(dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return super().nbytes + tensor_bytes(self.codes.tensor, self.scale.tensor)
 
 
-def read_leaves(leaves: Leaves, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
-    """The leaves' keys (B, Hkv, L, D) and values (B, Hkv, L, Dv) in dtype, and their owners
-    (B, Hkv, L)."""
-    rows, D = leaves.rows.tensor, leaves.key_dim
-    keys, values = rows[..., :D], rows[..., D:]
-    if leaves.scale is not None:
-        scale = leaves.scale.tensor
-        keys, values = keys.float() * scale[..., :1], values.float() * scale[..., 1:]
-    return keys.to(dtype), values.to(dtype), leaves.owner.tensor[..., 0]
+class FileLeaves(LeafStore):
+    """Keys and values in the model's dtype in a memory-mapped file, a row of every (B, Hkv)
+    per leaf, so that a gather reads the rows of the leaves some KV head chose. The file holds
+    the bits of the dtype as an integer of its width (numpy has no bfloat16)."""
+
+    def __init__(self, keys: Tensor, values: Tensor, directory: str | None = None):
+        super().__init__(keys, values)
+        fd, self.path = tempfile.mkstemp(prefix="longkv-leaves-", suffix=".bin", dir=directory)
+        os.close(fd)
+        weakref.finalize(self, os.remove, self.path)
+        self.raw = RAW_BITS[self.dtype.itemsize]
+        self.heads = tuple(keys.shape[:2])  # (B, Hkv)
+        self.data: np.memmap | None = None  # (capacity, B, Hkv, width), None while empty
+
+    def _grow(self, capacity: int) -> None:
+        """Map the file as `capacity` rows, extending it."""
+        shape = (capacity, *self.heads, self.width)
+        with open(self.path, "r+b") as f:
+            f.truncate(int(np.prod(shape)) * self.dtype.itemsize)
+        self.data = np.memmap(self.path, dtype=self.raw, mode="r+", shape=shape)
+
+    def _append(self, keys: Tensor, values: Tensor) -> None:
+        n, m = len(self), keys.shape[2]
+        if self.data is None or n + m > self.data.shape[0]:
+            self._grow(max(0 if self.data is None else 2 * self.data.shape[0], n + m))
+        assert self.data is not None
+        rows = torch.cat([keys, values], dim=-1).to(self.dtype)  # (B, Hkv, m, width)
+        bits = rows.permute(2, 0, 1, 3).contiguous().cpu().view(TORCH_BITS[self.raw])
+        self.data[n : n + m] = bits.numpy()
+
+    def _read(self, index: Tensor | None, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        device = self.owner.tensor.device
+        assert self.data is not None
+        if index is None:
+            rows = self._rows(slice(0, len(self)), device)
+            return self._split(rows, dtype)
+        wanted = index.unique()  # sorted leaf numbers some KV head chose
+        rows = self._rows(wanted.cpu().numpy(), device)  # (B, Hkv, U, width)
+        return self._split(pick(rows, torch.searchsorted(wanted, index.contiguous())), dtype)
+
+    def _rows(self, which: slice | np.ndarray, device: torch.device) -> Tensor:
+        """The file's rows `which` as (B, Hkv, n, width) in the model's dtype."""
+        assert self.data is not None
+        bits = torch.from_numpy(np.ascontiguousarray(self.data[which]))
+        return bits.view(self.dtype).permute(1, 2, 0, 3).to(device)
+
+    @property
+    def file_bytes(self) -> int:
+        return len(self) * self.heads[0] * self.heads[1] * self.width * self.dtype.itemsize
+
+
+RAW_BITS = {2: np.int16, 4: np.int32, 8: np.int64}  # a dtype's bits, by its bytes
+TORCH_BITS = {np.int16: torch.int16, np.int32: torch.int32, np.int64: torch.int64}
+
+
+def make_leaves(
+    store: str, keys: Tensor, values: Tensor, directory: str | None = None
+) -> LeafStore:
+    """An empty store of kind `store` (one of LEAF_STORES, as `KVMFoldConfig.leaves` checks) for
+    keys (B, Hkv, *, D) and values (B, Hkv, *, Dv); directory: where a "file" store's file goes."""
+    if store == "int8":
+        return Int8Leaves(keys, values)
+    if store == "file":
+        return FileLeaves(keys, values, directory)
+    return ExactLeaves(keys, values)

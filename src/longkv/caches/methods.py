@@ -62,6 +62,7 @@ class BoundedOptions:
     kvm_merge_threshold: float | None = mirror(KVMFoldConfig, "merge_threshold", "kvm-fold: ")
     kvm_open: int = mirror(KVMFoldConfig, "open", "kvm-fold: ")
     kvm_leaves: str = mirror(KVMFoldConfig, "leaves", "kvm-fold: ")
+    kvm_leaf_dir: str | None = mirror(KVMFoldConfig, "leaf_dir", "kvm-fold: ")
 
     def bounded_configs(self, methods: tuple[str, ...]) -> dict[str, BoundedConfig]:
         """The config of every bounded run of `methods`, by label; a bad option is refused,
@@ -95,7 +96,7 @@ class BoundedOptions:
                     budget=budget, sinks=self.sinks, window=self.window, state=state,
                     growth_factor=self.kvm_growth_factor, readout=self.kvm_readout,
                     count_bias=self.kvm_count_bias, merge_threshold=self.kvm_merge_threshold,
-                    open=self.kvm_open, leaves=self.kvm_leaves,
+                    open=self.kvm_open, leaves=self.kvm_leaves, leaf_dir=self.kvm_leaf_dir,
                 )  # fmt: skip
         for label, config in configs.items():
             require(

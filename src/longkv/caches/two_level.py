@@ -27,11 +27,11 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 
 from longkv.attention.rope import angles_at, rotate
-from longkv.attention.state import Rows
+from longkv.attention.state import Rows, tensor_bytes
 from longkv.caches.kvm_fold import KVMFoldConfig, KVMFoldRunner
 from longkv.caches.kvm_state import read_slots
-from longkv.caches.leaves import Leaves, add_leaves, empty_leaves, read_leaves
-from longkv.fold.attention import AttentionHooks, Route
+from longkv.caches.leaves import LeafStore, make_leaves
+from longkv.fold.attention import AttentionHooks, Route, RouteResult
 from longkv.fold.fold import check_positions
 
 
@@ -61,14 +61,17 @@ def slot_logits(q: Tensor, slot_k: Tensor, count: Tensor, scale: float) -> Tenso
     return scale * (q @ keys.transpose(-1, -2)) + bias
 
 
-def two_level_bias(opened: Tensor, count: Tensor, owner: Tensor, sinks: int, window: int) -> Tensor:
+def two_level_bias(
+    opened: Tensor, count: Tensor, owner: Tensor, sinks: int, window: int,
+    valid: Tensor | None = None,
+) -> Tensor:  # fmt: skip
     """The additive bias (B, H, T, sinks + S + L + window) over entries [sinks | slot read-outs |
     leaves | window]: 0 on the sinks, the window and the leaves of opened slots; log(count) on
     the read-out of an unopened slot; -inf on an opened slot's read-out (its leaves stand for it)
-    and on the leaves of unopened slots.
+    and on the leaves of unopened slots and the padding.
 
     opened (B, H, T, S) from `open_slots`; count (B, Hkv, S); owner (B, Hkv, L) the slot of each
-    leaf.
+    leaf; valid (B, Hkv, L) False on padding leaves (`LeafStore.gather`), None: none.
     """
     B, H, T, S = opened.shape
     groups = H // count.shape[1]
@@ -77,7 +80,10 @@ def two_level_bias(opened: Tensor, count: Tensor, owner: Tensor, sinks: int, win
     log_count = count.log().repeat_interleave(groups, dim=1).unsqueeze(2)  # (B, H, 1, S)
     out[..., sinks : sinks + S] = log_count.masked_fill(opened, float("-inf"))
     slot_of = owner.repeat_interleave(groups, dim=1).unsqueeze(2).expand(B, H, T, L)
-    out[..., sinks + S : sinks + S + L].masked_fill_(~opened.gather(-1, slot_of), float("-inf"))
+    seen = opened.gather(-1, slot_of)
+    if valid is not None:  # padding of a KV head with fewer leaves
+        seen &= valid.repeat_interleave(groups, dim=1).unsqueeze(2)
+    out[..., sinks + S : sinks + S + L].masked_fill_(~seen, float("-inf"))
     return out
 
 
@@ -110,8 +116,10 @@ def two_level_attention(
 
 
 class TwoLevelRunner(KVMFoldRunner):
-    """KVM-Fold whose slots index the exact tokens they own (config.open > 0): the bounded part
-    (sinks, slot read-outs, window) plus the leaves, every key at its own position.
+    """KVM-Fold whose slots index the exact tokens they own (config.open > 0): the cache holds
+    the bounded part (sinks, slot read-outs, window), the leaves live in a `LeafStore` per
+    layer, and each forward's attention gathers the leaves of the slots its queries open
+    (`route`); every key stays at its own position.
 
     Unlike the bounded runners it keeps the sinks' and window's keys as the model rotated them
     (`keep_chunk`), so `absorb` receives rotated keys and undoes the rotation only for the
@@ -122,7 +130,7 @@ class TwoLevelRunner(KVMFoldRunner):
     def __init__(self, model: nn.Module, config: KVMFoldConfig, track: bool = False):
         super().__init__(model, config, track)
         layers = model.config.num_hidden_layers
-        self.leaves: list[Leaves | None] = [None] * layers
+        self.leaves: list[LeafStore | None] = [None] * layers
         self.slot_keys: list[Rows | None] = [None] * layers  # sums of rotated keys (B, Hkv, S, D)
         self.attended: dict[str, float] = {"queries": 0, "share": 0.0, "max_share": 0.0}
 
@@ -130,11 +138,6 @@ class TwoLevelRunner(KVMFoldRunner):
     def position(self) -> int:
         """The next token's position: the exact fold's."""
         return self.seen
-
-    @property
-    def entry_count(self) -> int:
-        leaves = self.leaves[0]
-        return super().entry_count + (0 if leaves is None else len(leaves))
 
     def unrotated(self, keys: Tensor, first: int) -> Tensor:
         """keys (B, Hkv, m, D) of the tokens first, first + 1, ... with their rotation undone."""
@@ -148,8 +151,10 @@ class TwoLevelRunner(KVMFoldRunner):
         sinks = self.unrotated(self.sink_k[layer], 0)
         dest = self.fold_in(layer, self.unrotated(keys, first), values, first, sinks)
         leaves = self.leaves[layer]
-        leaves = empty_leaves(keys, values, self.config.leaves) if leaves is None else leaves
-        self.leaves[layer] = add_leaves(leaves, keys, values, dest, donate=True)
+        if leaves is None:
+            c = self.config
+            leaves = self.leaves[layer] = make_leaves(c.leaves, keys, values, c.leaf_dir)
+        leaves.append(keys, values, dest)
         sums = self.slot_keys[layer]
         sums = Rows.of(keys[:, :, :0].double()) if sums is None else sums
         state = self.states[layer]
@@ -158,28 +163,24 @@ class TwoLevelRunner(KVMFoldRunner):
         sums = sums.append(new.double(), True)
         self.slot_keys[layer] = sums.add_at(dest, keys.double(), True)
 
-    def read_out(self, layer: int) -> tuple[Tensor, Tensor]:
+    def middle(self, layer: int) -> tuple[Tensor, Tensor]:
         """The slots' read-out: mean rotated keys (B, Hkv, S, D) and mean values."""
         state, sums = self.states[layer], self.slot_keys[layer]
-        assert state is not None and sums is not None
+        if state is None or sums is None:
+            return super().middle(layer)
         dtype = self.window_k[layer].dtype
         keys = (sums.tensor / state.count.unsqueeze(-1)).to(dtype)
         return keys, read_slots(state, "mean")[1].to(dtype)
 
     def build_cache(self) -> DynamicCache:
-        """Every layer's entries [sinks | slot read-outs | leaves | window], as rotated."""
+        """Every layer's bounded part [sinks | slot read-outs | window], as rotated."""
         cache = DynamicCache()
         if self.seen == 0:
             return cache
         for i in range(len(self.sink_k)):
-            ks, vs = [self.sink_k[i]], [self.sink_v[i]]
-            leaves = self.leaves[i]
-            if leaves is not None:
-                slot_k, slot_v = self.read_out(i)
-                leaf_k, leaf_v, _ = read_leaves(leaves, self.window_k[i].dtype)
-                ks, vs = [*ks, slot_k, leaf_k], [*vs, slot_v, leaf_v]
-            k = torch.cat([*ks, self.window_k[i]], dim=2)
-            cache.update(k, torch.cat([*vs, self.window_v[i]], dim=2), i)
+            slot_k, slot_v = self.middle(i)
+            k = torch.cat([self.sink_k[i], slot_k, self.window_k[i]], dim=2)
+            cache.update(k, torch.cat([self.sink_v[i], slot_v, self.window_v[i]], dim=2), i)
         return cache
 
     def keep_chunk(self, cache: DynamicCache, n: int, to_sinks: int) -> None:
@@ -188,21 +189,31 @@ class TwoLevelRunner(KVMFoldRunner):
             self.keep(i, layer.keys[:, :, n:], layer.values[:, :, n:], to_sinks)
 
     def route(self, layer: int) -> Route:
-        """The bias of each query head over this layer's entries (`two_level_bias`), routed on
-        the slot read-outs as the cache holds them (entries sinks .. sinks + S - 1)."""
+        """This layer's entries for the forward's queries: the bounded part with the leaves
+        of every slot some query head opens inserted after the slot read-outs (entries
+        sinks .. sinks + S - 1, which the routing reads), and each query head's bias over
+        them (`two_level_bias`)."""
         state, leaves = self.states[layer], self.leaves[layer]
         assert state is not None and leaves is not None
-        sinks, S, n_leaves = self.sink_k[layer].shape[2], state.num_slots, len(leaves)
-        owner = leaves.owner.tensor[..., 0]  # (B, Hkv, L)
+        sinks, S = self.sink_k[layer].shape[2], state.num_slots
 
-        def bias(q: Tensor, keys: Tensor, scale: float) -> Tensor:
+        def entries(q: Tensor, keys: Tensor, values: Tensor, scale: float) -> RouteResult:
             count = state.count.to(q.dtype)
             opened = open_slots(q, keys[:, :, sinks : sinks + S], count, self.config.open, scale)
-            window = keys.shape[2] - sinks - S - n_leaves
+            window = keys.shape[2] - sinks - S
             self.tally(attended_entries(opened, count, sinks, window))
-            return two_level_bias(opened, count, owner, sinks, window)
+            B, Hkv = count.shape[:2]
+            chosen = opened.view(B, Hkv, -1, S).any(2)  # (B, Hkv, S): opened by some query head
+            got = leaves.gather(chosen, keys.dtype)
+            bias = two_level_bias(opened, count, got.owner, sinks, window, got.valid)
+            cut = sinks + S
+            return (
+                torch.cat([keys[:, :, :cut], got.keys, keys[:, :, cut:]], dim=2),
+                torch.cat([values[:, :, :cut], got.values, values[:, :, cut:]], dim=2),
+                bias,
+            )
 
-        return bias
+        return entries
 
     def tally(self, attended: Tensor) -> None:
         """Add the entries each query head of this forward attends, (B, H, L), as a share of
@@ -219,6 +230,21 @@ class TwoLevelRunner(KVMFoldRunner):
         full attention's entries it attended (full attention: the tokens up to its own)."""
         n = self.attended["queries"]
         return {"mean": self.attended["share"] / n if n else 1.0, "max": self.attended["max_share"]}
+
+    def middle_bytes(self) -> int:
+        """The states' bytes and their sums of rotated keys."""
+        sums = [s.tensor for s in self.slot_keys if s is not None]
+        return super().middle_bytes() + tensor_bytes(*sums)
+
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes held now, over layers: the bounded part (sinks, window, the slots' state and
+        key sums), the leaves in memory (with their owners) and the leaves in a file."""
+        stores = [x for x in self.leaves if x is not None]
+        return {
+            **super().resident_bytes(),
+            "leaves": sum(x.nbytes for x in stores),
+            "leaves_file": sum(x.file_bytes for x in stores),
+        }
 
     def hooks(self, chunk: int) -> AttentionHooks | None:
         if self.leaves[0] is None:

@@ -24,7 +24,8 @@ from torch import Tensor, nn
 from transformers import AttentionInterface
 
 NAME = "longkv_bounded"
-Route = Callable[[Tensor, Tensor, float], Tensor]  # (queries, keys, scale) -> (B, H, L, Lk)
+RouteResult = tuple[Tensor, Tensor, Tensor]  # keys, values (B, Hkv, Lk, *), bias (B, H, L, Lk)
+Route = Callable[[Tensor, Tensor, Tensor, float], RouteResult]  # (queries, keys, values, scale)
 
 
 @dataclass
@@ -32,8 +33,10 @@ class AttentionHooks:
     """What one forward adds to attention and reads back from it.
 
     bias: per layer, None or (B, Hkv, Lk) added to every query's logits on those keys;
-    route: per layer, None or a function of the rotated queries (B, H, L, D), the keys
-    (B, Hkv, Lk, D) and the logit scale that gives a bias (B, H, L, Lk) to each query head;
+    route: per layer, None or a function of the rotated queries (B, H, L, D), the cached keys
+    (B, Hkv, Lk, D) and values and the logit scale that gives the keys and values to attend
+    instead (B, Hkv, Lk', *; the queries still the last L of them) and a bias (B, H, L, Lk') to
+    each query head (not with `bias`);
     observe: how many of the last queries to sum probabilities over (0: none);
     seen: filled per layer with (B, Hkv, Lk) float32 probability mass of the observed queries;
     mask: which keys query i of L sees among Lk (`MASKS`);
@@ -51,6 +54,11 @@ class AttentionHooks:
     def __post_init__(self) -> None:
         if self.mask not in MASKS:
             raise ValueError(f"mask: {self.mask!r} is not one of {list(MASKS)}")
+        if self.bias is not None and self.route is not None:
+            raise ValueError(
+                "bias: a per-key bias and a route (which changes the keys) exclude "
+                "each other; give one"
+            )
 
 
 # which keys j of Lk query i of L sees (the L queries are the last L positions of the keys)
@@ -100,25 +108,28 @@ def bounded_attention(
             f"model: its attention uses {used}, which longkv's attention (bounded caches, fold "
             "variants) does not support"
         )
-    B, H, L, D = query.shape
-    Hkv, Lk = key.shape[1], key.shape[2]
-    G = H // Hkv
     out_dtype = value.dtype
     if hooks.store_dtype is not None:
         key, value = key.to(hooks.store_dtype), value.to(hooks.store_dtype)
     high = torch.promote_types(query.dtype, torch.float32)
+    B, H, L, D = query.shape
     scale = D**-0.5 if scaling is None else scaling
+    layer = getattr(module, "layer_idx", 0)
+    route = None if hooks.route is None else hooks.route[layer]
+    routed = None
+    if route is not None:
+        key, value, routed = route(query.to(high), key.to(high), value.to(high), scale)
+    Hkv, Lk = key.shape[1], key.shape[2]
+    G = H // Hkv
     q = query.to(high).view(B, Hkv, G, L, D)
     scores = q @ key.to(high).unsqueeze(2).transpose(-1, -2) * scale  # (B, Hkv, G, L, Lk)
     visible = visible_keys(hooks.mask, L, Lk, query.device)
     scores = scores.masked_fill(~visible, float("-inf"))
-    layer = getattr(module, "layer_idx", 0)
     bias = None if hooks.bias is None else hooks.bias[layer]
     if bias is not None:
         scores = scores + bias.to(high)[:, :, None, None, :]
-    route = None if hooks.route is None else hooks.route[layer]
-    if route is not None:
-        scores = scores + route(query.to(high), key.to(high), scale).view(B, Hkv, G, L, Lk)
+    if routed is not None:
+        scores = scores + routed.view(B, Hkv, G, L, Lk)
     probs = scores.softmax(dim=-1)
     if hooks.observe:
         hooks.seen[layer] = probs[..., -hooks.observe :, :].sum(dim=(2, 3)).float()
