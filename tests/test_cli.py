@@ -313,11 +313,11 @@ def test_bounded_compares_every_bounded_run_on_one_page(
     other = tmp_path / "x" / "b.json"
     elsewhere = json.loads(other.read_text())["records"]
     data = json.loads(other.read_text())
-    data["settings"]["depths"] = [0.25]
+    data["settings"]["max_new_tokens"] = 5  # every answer reads it
     (tmp_path / "x" / "c.json").write_text(json.dumps(data))
     assert main([*argv(2, tmp_path), "--niah-records", str(tmp_path / "x" / "c.json")]) == 2
     said = capsys.readouterr().err
-    assert "error: argument --methods: " in said and "(['depths'] differ)" in said
+    assert "error: argument --methods: " in said and "(['max_new_tokens'] differ)" in said
     # an option only kvm-fold reads refuses the file's kvm-fold answers; one only the fold
     # reads changes none of them
     data = json.loads(other.read_text())
@@ -327,6 +327,9 @@ def test_bounded_compares_every_bounded_run_on_one_page(
     assert "(['kvm_count_bias'] differ)" in capsys.readouterr().err
     data = json.loads(other.read_text())
     data["settings"]["chunk_size"] = 999
+    # a grid with a second sample per cell: answers to cells outside this grid are left
+    data["settings"]["samples"] = 2
+    data["records"] += [{**r, "seed": 1, "prediction": "other"} for r in data["records"]]
     other = tmp_path / "x" / "c.json"
     other.write_text(json.dumps(data))
     assert main([*argv(2, tmp_path), "--niah-records", str(other)]) == 0
@@ -375,11 +378,11 @@ def test_niah_runs_two_level_kvm_fold_labelled_and_with_every_slot_open_answers_
 ) -> None:
     argv = fold_and_full(tiny_model, tmp_path, "--dtype", "fp64")
     argv[argv.index("fold")] = "kvm-fold"
-    two_level = ["--budgets", "64", "--sinks", "4", "--window", "32", "--kvm-open", "28"]
+    two_level = ["--budgets", "64", "--sinks", "4", "--window", "32", "--kvm-open", "0", "28"]
     assert main([*argv, *two_level, "--stream-chunk", "16"]) == 0
     records = json.loads((tmp_path / "n.json").read_text())["records"]
     by_method = {r["method"]: r["prediction"] for r in records}
-    assert set(by_method) == {"full", "kvm-fold/fixed/open28@64"}
+    assert set(by_method) == {"full", "kvm-fold/fixed@64", "kvm-fold/fixed/open28@64"}
     assert by_method["kvm-fold/fixed/open28@64"] == by_method["full"]  # 28 slots: all open
 
 

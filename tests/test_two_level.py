@@ -15,7 +15,7 @@ from longkv.caches import (
     bounded_generate,
     run_bounded,
 )
-from longkv.caches.methods import make_runner
+from longkv.caches.methods import BoundedOptions, make_runner
 from longkv.caches.naive import two_level_attention_naive
 from longkv.caches.two_level import (
     TwoLevelRunner,
@@ -194,6 +194,15 @@ def test_gathering_the_opened_slots_leaves_attends_as_every_leaf_with_the_bias(s
     causal = visible_keys("causal", 3, all_k.shape[2])
     want = two_level_attention(q, all_k, all_v, bias.masked_fill(~causal, float("-inf")), 0.3)
     torch.testing.assert_close(fast, want, rtol=0, atol=TOL)
+
+
+def test_each_opening_is_a_run_labelled_with_its_store_unless_exact() -> None:
+    options = BoundedOptions(kvm_states=("fixed", "sqrt"), kvm_open=(0, 8), kvm_leaves="int8")
+    assert options.labels(("kvm-fold",)) == [
+        "kvm-fold/fixed@1024", "kvm-fold/fixed/open8/int8@1024",
+        "kvm-fold/sqrt@1024", "kvm-fold/sqrt/open8/int8@1024",
+    ]  # fmt: skip
+    assert BoundedOptions(kvm_open=(4,)).labels(("kvm-fold",)) == ["kvm-fold/fixed/open4@1024"]
 
 
 def test_two_level_refuses_what_would_lose_a_leaf() -> None:

@@ -3,8 +3,9 @@
 `full` (one forward) and `fold` (KV-Fold) keep every token; `streaming`, `snapkv` and
 `kvm-fold` keep at most a budget of entries per layer and KV head, and run once per budget in
 `budgets` (kvm-fold also once per state budget in `kvm_states`). Each run has a label:
-`streaming@1024`, `snapkv@1024`, `kvm-fold/sqrt@1024`, or for two-level KVM-Fold (`kvm_open`
-slots opened per query head) `kvm-fold/sqrt/open8@1024`; its leaves are outside the budget.
+`streaming@1024`, `snapkv@1024`, `kvm-fold/sqrt@1024`, or for two-level KVM-Fold (each of
+`kvm_open` slots opened per query head) `kvm-fold/sqrt/open8@1024`, with its leaf store named
+unless exact (`kvm-fold/sqrt/open8/int8@1024`); the leaves are outside the budget.
 """
 
 from __future__ import annotations
@@ -60,7 +61,13 @@ class BoundedOptions:
     kvm_readout: str = mirror(KVMFoldConfig, "readout", "kvm-fold: ")
     kvm_count_bias: bool = mirror(KVMFoldConfig, "count_bias", "kvm-fold: ")
     kvm_merge_threshold: float | None = mirror(KVMFoldConfig, "merge_threshold", "kvm-fold: ")
-    kvm_open: int = mirror(KVMFoldConfig, "open", "kvm-fold: ")
+    kvm_open: tuple[int, ...] = setting(
+        (0,),
+        "kvm-fold: two-level KVM-Fold: slots each query head opens to the exact tokens they "
+        "own, ranked by its logit against their mean key + log(count), each run once (0: the "
+        "coarse state alone)",
+        feeds=(KVMFoldConfig, "open"),
+    )
     kvm_leaves: str = mirror(KVMFoldConfig, "leaves", "kvm-fold: ")
     kvm_leaf_dir: str | None = mirror(KVMFoldConfig, "leaf_dir", "kvm-fold: ")
 
@@ -90,14 +97,14 @@ class BoundedOptions:
                 configs[f"snapkv@{budget}"] = SnapKVConfig(
                     budget=budget, sinks=self.sinks, window=self.window
                 )
-            two_level = f"/open{self.kvm_open}" if self.kvm_open else ""
             for state in self.kvm_states if "kvm-fold" in methods else ():
-                configs[f"kvm-fold/{state}{two_level}@{budget}"] = KVMFoldConfig(
-                    budget=budget, sinks=self.sinks, window=self.window, state=state,
-                    growth_factor=self.kvm_growth_factor, readout=self.kvm_readout,
-                    count_bias=self.kvm_count_bias, merge_threshold=self.kvm_merge_threshold,
-                    open=self.kvm_open, leaves=self.kvm_leaves, leaf_dir=self.kvm_leaf_dir,
-                )  # fmt: skip
+                for k in self.kvm_open:
+                    configs[f"kvm-fold/{state}{self.two_level_tag(k)}@{budget}"] = KVMFoldConfig(
+                        budget=budget, sinks=self.sinks, window=self.window, state=state,
+                        growth_factor=self.kvm_growth_factor, readout=self.kvm_readout,
+                        count_bias=self.kvm_count_bias, merge_threshold=self.kvm_merge_threshold,
+                        open=k, leaves=self.kvm_leaves, leaf_dir=self.kvm_leaf_dir,
+                    )  # fmt: skip
         for label, config in configs.items():
             require(
                 self.stream_chunk <= config.window_len,
@@ -106,6 +113,13 @@ class BoundedOptions:
                 f"{self.stream_chunk} exceeds the window of {label} ({config.window_len} tokens)",
             )
         return configs
+
+    def two_level_tag(self, k: int) -> str:
+        """The label part of a kvm-fold run opening k slots: "" (coarse), "/open8", or with
+        leaves other than exact "/open8/int8"."""
+        if not k:
+            return ""
+        return f"/open{k}" + ("" if self.kvm_leaves == "exact" else f"/{self.kvm_leaves}")
 
     def check_runs(self, model: nn.Module, methods: tuple[str, ...]) -> dict[str, BoundedConfig]:
         """`bounded_configs`, after a SettingError unless every bounded run fits the model: its

@@ -51,6 +51,17 @@ class NiahSettings(BoundedOptions):
         self.bounded_configs(self.methods)
 
     @property
+    def cells(self) -> list[tuple[str, int, float, int]]:
+        """Every (task, length, depth, seed) of the grid; sample i of a cell has seed + i."""
+        return [
+            (task, n, d, self.seed + i)
+            for task in self.tasks
+            for n in self.lengths
+            for d in self.depths
+            for i in range(self.samples)
+        ]
+
+    @property
     def runs(self) -> list[str]:
         """The label of every method run (`BoundedOptions.labels`)."""
         return self.labels(self.methods)

@@ -1,7 +1,7 @@
 """Which answers in an earlier niah result file (`NiahRun.save`) a run may take instead of
 answering: all of them from a file of the same settings (an interrupted grid), or those of its
-own method runs from a file whose other settings these runs do not read (a grid split over
-processes).
+own method runs and cells from a file whose other settings these runs do not read (a grid split
+over processes, or grown by more samples, lengths or runs).
 """
 
 from __future__ import annotations
@@ -33,8 +33,10 @@ def saved_records(path: Path, settings: NiahSettings) -> list[NiahRecord]:
     return [NiahRecord(**r) for r in data["records"]]
 
 
-# the settings that choose which methods run; the others must agree for answers to be reused
-RUN_FIELDS = ("methods", "budgets", "kvm_states")
+# the settings that choose which runs (by label) and cells (task, length, depth, seed) a file
+# answered, and where file leaves go; the others must agree for answers to be reused
+RUN_FIELDS = ("methods", "budgets", "kvm_states", "kvm_open", "kvm_leaves", "kvm_leaf_dir")
+GRID_FIELDS = ("tasks", "lengths", "depths", "samples", "seed")
 # settings that only some methods read: a difference in one keeps the other methods' answers
 ONLY_FOR = {
     "chunk_size": ("fold",),
@@ -47,19 +49,24 @@ ONLY_FOR = {
 
 
 def reusable_records(path: Path, s: NiahSettings) -> tuple[list[NiahRecord], dict[str, Any]]:
-    """The answers in a niah result file (`NiahRun.save`) to runs of this grid, and the file's
-    provenance; a SettingError if the file's grid, or an option that one of its runs here
-    reads (`ONLY_FOR`), differs from these."""
+    """The answers in a niah result file (`NiahRun.save`) to runs and cells of this grid, and
+    the file's provenance; a SettingError if an option that one of its runs here reads
+    (`ONLY_FOR`), or one that every answer reads, differs from these."""
     data = json.loads(path.read_text())
     ours = json.loads(json.dumps(asdict(s)))
     theirs = saved_settings(data)
     runs = set(s.runs)
-    records = [NiahRecord(**r) for r in data["records"] if r["method"] in runs]
+    cells = set(s.cells)
+    records = [
+        record
+        for record in (NiahRecord(**r) for r in data["records"])
+        if record.method in runs and record.key[:4] in cells
+    ]
     methods = {method_of(r.method) for r in records}
     differ = sorted(
         k
         for k in ours
-        if k not in RUN_FIELDS
+        if k not in RUN_FIELDS + GRID_FIELDS
         and theirs[k] != ours[k]
         and (k not in ONLY_FOR or methods & set(ONLY_FOR[k]))
     )

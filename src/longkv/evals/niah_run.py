@@ -79,13 +79,7 @@ def run_niah(
     full attention and the fold run a RoPE model past its max_position_embeddings. reuse:
     answers given elsewhere to this grid (`reusable_records`), taken instead of answering.
     """
-    cells = [
-        (task, n, d, s.seed + i)
-        for task in s.tasks
-        for n in s.lengths
-        for d in s.depths
-        for i in range(s.samples)
-    ]
+    cells = s.cells
     runs = s.runs
     saved = saved_records(path, s)
     if len(saved) == len(cells) * len(runs):  # finished: measure again
