@@ -130,3 +130,37 @@ def test_flop_counts_follow_the_states_a_run_goes_through() -> None:
     assert work.decode_flops == (shape.attention(pairs[1]) + shape.similarity(sims[1])) / n_dec
     full = window_work(lambda p: 0, T, n_dec, shape)
     assert full.prefill_flops == shape.attention(T * (T + 1) / 2)
+
+
+def test_compared_runs_report_what_each_query_attends_and_the_bytes_each_cache_holds() -> None:
+    from longkv.caches import KVMFoldConfig
+    from longkv.caches.bounded import BoundedConfig
+
+    model = tiny_hf()
+    ids = torch.randint(0, 64, (1, 90), generator=torch.Generator().manual_seed(3))
+    two_level = dict(budget=26, sinks=2, window=16, open=8)
+    bounded = {
+        "streaming": BoundedConfig(budget=26, sinks=2, window=24),
+        "open": KVMFoldConfig(**two_level),
+        "file": KVMFoldConfig(**two_level, leaves="file"),
+    }
+    report = compare_methods(model, ids, 90, methods=("full", *bounded), bounded=bounded,
+                             stream_chunk=8)  # fmt: skip
+    runs = {r["method"]: r for r in report["runs"]}
+    c = model.config
+    heads = c.num_hidden_layers * c.num_key_value_heads  # over layers
+    per_token = heads * 2 * 4 * c.hidden_size // c.num_attention_heads  # keys, values: float32
+    owners = heads * 8  # an int64 owner per leaf
+    assert runs["full"]["cache_bytes"] == 90 * per_token and runs["full"]["attended_share"] == 1
+    # the last chunk (tokens 88, 89) after 24 entries: (25 / 89 + 26 / 90) / 2
+    assert runs["streaming"]["attended_share"] == pytest.approx((25 / 89 + 26 / 90) / 2)
+    assert (
+        runs["streaming"]["cache_bytes"] == 26 * per_token and runs["streaming"]["leaf_bytes"] == 0
+    )
+    for name in ("open", "file"):  # every slot open: what full attention attends
+        assert runs[name]["attended_share"] == runs[name]["attended_share_max"] == 1.0
+    leaf_rows = 90 - 2 - 16  # every token but the sinks and the window (chunk included)
+    assert runs["open"]["leaf_bytes"] == leaf_rows * (per_token + owners)
+    assert runs["file"]["leaf_file_bytes"] == leaf_rows * per_token
+    assert runs["file"]["leaf_bytes"] == leaf_rows * owners  # in memory: the owners only
+    assert runs["open"]["nll_gap_vs_full"] == pytest.approx(0.0, abs=1e-5)

@@ -109,6 +109,20 @@ def test_cache_never_exceeds_sinks_plus_window() -> None:
     assert max(lengths) == 14
 
 
+def test_each_query_attends_the_cache_and_its_chunk_as_a_share_of_full_attention() -> None:
+    runner = StreamingRunner(tiny_llama(), sinks=4, window=10)
+    ids = torch.randint(0, V, (2, 50))
+    with torch.inference_mode():
+        for t in range(0, 50, 3):
+            runner.forward(ids[:, t : t + 3])
+    # the last forward reads tokens 48 and 49 after 14 - 2 entries
+    last = runner.attention_share(since=48)
+    assert last == pytest.approx({"mean": (13 / 49 + 14 / 50) / 2, "max": 14 / 50}, abs=1e-12)
+    assert runner.attention_share()["max"] == 1.0  # the first chunks see every token
+    with pytest.raises(ValueError, match="since: no forward began at position 50"):
+        runner.attention_share(since=50)
+
+
 def test_the_sinks_stay_and_the_middle_leaves() -> None:
     model = tiny_llama()
     ids = torch.randint(0, V, (1, 30), generator=torch.Generator().manual_seed(2))

@@ -17,9 +17,10 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from longkv.attention.state import tensor_bytes
 from longkv.bench.memory import keep_freed_heap, load_weights, peak_memory
-from longkv.caches.bounded import BoundedConfig
-from longkv.caches.methods import run_bounded
+from longkv.caches.bounded import BoundedConfig, BoundedRunner, bounded_fold
+from longkv.caches.methods import make_runner
 from longkv.fold.fold import FoldResult, kv_fold
 from longkv.results import markdown_table
 
@@ -38,6 +39,18 @@ class MethodRun:
     mean_nll: float
     nll_gap_vs_full: float
     max_abs_nll_diff_vs_full: float
+    # the queries of the last chunk: entries attended as a share of full attention's, per query
+    # head and layer (mean, largest); full and the fold attend all
+    attended_share: float
+    attended_share_max: float
+    # after the run: bytes of the cache (a bounded cache's bounded part), of two-level
+    # KVM-Fold's leaves in memory and in a file
+    cache_bytes: int
+    leaf_bytes: int
+    leaf_file_bytes: int
+
+
+Run = Callable[[Tensor], FoldResult]
 
 
 def _runs(
@@ -47,8 +60,9 @@ def _runs(
     stream_chunk: int,
     allow_extrapolation: bool,
     variant: str,
-) -> dict[str, tuple[int | None, Callable[[Tensor], FoldResult]]]:
-    """Each method as (its chunk size, None for all tokens at once; its run over ids (B, T))."""
+) -> tuple[dict[str, tuple[int | None, Run]], dict[str, BoundedRunner]]:
+    """Each method as (its chunk size, None for all tokens at once; its run over ids (B, T)),
+    and where each bounded run leaves its last runner (by label)."""
 
     def fold(ids: Tensor, size: int, variant: str, progress: bool) -> FoldResult:
         return kv_fold(
@@ -56,18 +70,34 @@ def _runs(
             progress=progress,
         )  # fmt: skip
 
-    runs: dict[str, tuple[int | None, Callable[[Tensor], FoldResult]]] = {
+    def read(label: str, ids: Tensor) -> FoldResult:
+        runner = last[label] = make_runner(model, bounded[label])
+        return bounded_fold(runner, ids, stream_chunk, progress=True)
+
+    runs: dict[str, tuple[int | None, Run]] = {
         "full": (None, lambda ids: fold(ids, ids.shape[1], "exact", False)),
         "fold": (chunk_size, lambda ids: fold(ids, chunk_size, variant, True)),
     }
-    for label, config in bounded.items():
-        runs[label] = (
-            stream_chunk,
-            functools.partial(
-                run_bounded, model, config=config, chunk_size=stream_chunk, progress=True
-            ),
-        )
-    return runs
+    last: dict[str, BoundedRunner] = {}
+    for label in bounded:
+        runs[label] = (stream_chunk, functools.partial(read, label))
+    return runs, last
+
+
+def cache_use(result: FoldResult, runner: BoundedRunner | None, T: int) -> dict[str, Any]:
+    """`MethodRun`'s attended shares and bytes of a run over T tokens: a bounded runner's, or
+    a cache of every token's (runner None)."""
+    if runner is None:
+        held = sum(tensor_bytes(layer.keys, layer.values) for layer in result.cache.layers)
+        return dict(attended_share=1.0, attended_share_max=1.0, cache_bytes=held, leaf_bytes=0,
+                    leaf_file_bytes=0)  # fmt: skip
+    share = runner.attention_share(since=(T - 1) // result.chunk_size * result.chunk_size)
+    held = runner.resident_bytes()
+    return dict(
+        attended_share=share["mean"], attended_share_max=share["max"],
+        cache_bytes=held["bounded"], leaf_bytes=held.get("leaves", 0),
+        leaf_file_bytes=held.get("leaves_file", 0),
+    )  # fmt: skip
 
 
 def compare_methods(
@@ -94,7 +124,7 @@ def compare_methods(
         raise ValueError(f"repeats: must be >= 1, got {repeats}")
     keep_freed_heap()
     load_weights(model)
-    runs = _runs(model, chunk_size, bounded or {}, stream_chunk, allow_extrapolation, variant)
+    runs, last = _runs(model, chunk_size, bounded or {}, stream_chunk, allow_extrapolation, variant)
     results: dict[str, MethodRun] = {}
     full_nll: Tensor | None = None
     T = input_ids.shape[1]
@@ -115,6 +145,7 @@ def compare_methods(
             mean_nll=first.nll.mean().item(),
             nll_gap_vs_full=(first.nll - full_nll).mean().item(),
             max_abs_nll_diff_vs_full=(first.nll - full_nll).abs().max().item(),
+            **cache_use(first, last.get(method), T),
         )
     full = results["full"]
     ratios = {}
@@ -137,6 +168,9 @@ def markdown_rows(report: dict[str, Any]) -> list[str]:
         "mean NLL",
         "NLL gap vs full",
         "max abs NLL diff vs full",
+        "entries attended (last chunk, mean / max)",
+        "cache MiB",
+        "leaves MiB (memory / file)",
     ]
     rows = [
         [
@@ -147,12 +181,23 @@ def markdown_rows(report: dict[str, Any]) -> list[str]:
             f"{r['mean_nll']:.4f}",
             f"{r['nll_gap_vs_full']:+.4f}",
             f"{r['max_abs_nll_diff_vs_full']:.2e}",
+            f"{100 * r['attended_share']:.1f} % / {100 * r['attended_share_max']:.1f} %",
+            f"{r['cache_bytes'] / 2**20:.1f}",
+            leaves(r),
         ]
         for r in report["runs"]
     ]
     ratios = [[name, f"{value:.3f}"] for name, value in report["ratios"].items()]
     return [
-        *markdown_table(header, rows, "<" + ">" * 6),
+        *markdown_table(header, rows, "<" + ">" * 9),
         "",
         *markdown_table(["ratio (same run)", "value"], ratios, "<>"),
     ]
+
+
+def leaves(run: dict[str, Any]) -> str:
+    """A run's leaf bytes in MiB, in memory / in a file ("-" without leaves)."""
+    memory, file = run["leaf_bytes"], run["leaf_file_bytes"]
+    if not memory and not file:
+        return "-"
+    return f"{memory / 2**20:.1f} / {file / 2**20:.1f}"

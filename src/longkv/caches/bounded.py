@@ -171,6 +171,8 @@ class BoundedRunner:
         self.window_v: list[Tensor] = [torch.empty(0)] * layers
         self.seen = 0  # input tokens read
         self.cache = DynamicCache()  # the entries and chunk of the last forward, rotated
+        # per forward (and layer, where heads differ): first position, queries, share sum, max
+        self.attended: list[tuple[int, int, float, float]] = []
 
     # what a policy provides
     @property
@@ -193,6 +195,28 @@ class BoundedRunner:
 
     def observed(self, hooks: AttentionHooks) -> None:
         """Read what the forward left in the hooks."""
+
+    def count_attended(self, entries: int, L: int) -> None:
+        """Tally a forward of L queries after `entries` cached entries: query i attends them
+        and the chunk up to itself."""
+        self.tally(torch.arange(entries + 1, entries + L + 1))
+
+    def tally(self, attended: Tensor) -> None:
+        """Keep the entries each query of this forward attends, (..., L) (query heads, rows),
+        as a share of full attention's (the tokens up to its own)."""
+        L = attended.shape[-1]
+        full = torch.arange(self.seen + 1, self.seen + L + 1, device=attended.device)
+        share = attended.double() / full
+        self.attended.append((self.seen, share.numel(), float(share.sum()), float(share.max())))
+
+    def attention_share(self, since: int = 0) -> dict[str, float]:
+        """The mean and the largest share of full attention's entries attended by the queries
+        (heads, layers) of the forwards that began at position `since` or later."""
+        kept = [a for a in self.attended if a[0] >= since]
+        n = sum(a[1] for a in kept)
+        if not n:
+            raise ValueError(f"since: no forward began at position {since} or later")
+        return {"mean": sum(a[2] for a in kept) / n, "max": max(a[3] for a in kept)}
 
     def resident_bytes(self) -> dict[str, int]:
         """Bytes the cache holds now, over layers: {"bounded": sinks, middle and window}
@@ -285,6 +309,7 @@ class BoundedRunner:
         cache = self.build_cache()
         pos = torch.arange(first, first + L, device=ids.device).expand(B, L)
         hooks = self.hooks(L)
+        self.count_attended(n, L)
         with nullcontext() if hooks is None else hooked(self.model, hooks):
             logits = compat.forward(self.model, ids, pos, cache)
         self.keep_chunk(cache, n, to_sinks)

@@ -132,7 +132,6 @@ class TwoLevelRunner(KVMFoldRunner):
         layers = model.config.num_hidden_layers
         self.leaves: list[LeafStore | None] = [None] * layers
         self.slot_keys: list[Rows | None] = [None] * layers  # sums of rotated keys (B, Hkv, S, D)
-        self.attended: dict[str, float] = {"queries": 0, "share": 0.0, "max_share": 0.0}
 
     @property
     def position(self) -> int:
@@ -215,21 +214,10 @@ class TwoLevelRunner(KVMFoldRunner):
 
         return entries
 
-    def tally(self, attended: Tensor) -> None:
-        """Add the entries each query head of this forward attends, (B, H, L), as a share of
-        full attention's (every token up to its own)."""
-        L = attended.shape[2]
-        full = torch.arange(self.seen + 1, self.seen + L + 1, device=attended.device)
-        share = attended.double() / full
-        self.attended["queries"] += share.numel()
-        self.attended["share"] += float(share.sum())
-        self.attended["max_share"] = max(self.attended["max_share"], float(share.max()))
-
-    def attention_share(self) -> dict[str, float]:
-        """Over every query head and layer routed so far: the mean and the largest share of
-        full attention's entries it attended (full attention: the tokens up to its own)."""
-        n = self.attended["queries"]
-        return {"mean": self.attended["share"] / n if n else 1.0, "max": self.attended["max_share"]}
+    def count_attended(self, entries: int, L: int) -> None:
+        """Once tokens have left the window, each layer's route counts per query head."""
+        if self.leaves[0] is None:
+            super().count_attended(entries, L)
 
     def middle_bytes(self) -> int:
         """The states' bytes and their sums of rotated keys."""
