@@ -392,6 +392,11 @@ def test_niah_runs_two_level_kvm_fold_labelled_and_with_every_slot_open_answers_
         (["--lengths", "300", "1024"], "--lengths"),  # 1024 - 128 + 31 > 512 positions
         (["--lengths", "300", "40"], "--lengths"),  # 40 tokens cannot hold the task's prompt
         (["--methods", "streaming", "--budgets", "604"], "--budgets"),  # 604 > 512
+        # two-level KVM-Fold keeps the positions of full attention
+        (
+            ["--methods", "kvm-fold", "--kvm-open", "8", "--budgets", "256", "--lengths", "1024"],
+            "--lengths",
+        ),
     ],
 )
 def test_niah_checks_the_whole_grid_before_answering(

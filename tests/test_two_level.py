@@ -205,6 +205,15 @@ def test_each_opening_is_a_run_labelled_with_its_store_unless_exact() -> None:
     assert BoundedOptions(kvm_open=(4,)).labels(("kvm-fold",)) == ["kvm-fold/fixed/open4@1024"]
 
 
+def test_a_read_past_the_models_positions_is_refused_before_the_first_chunk() -> None:
+    model = tiny_hf("llama")  # 256 positions
+    runner = make_runner(model, KVMFoldConfig(budget=26, sinks=2, window=16, open=2))
+    ids = torch.randint(0, 64, (1, 250))
+    with pytest.raises(ValueError, match="take 259 positions and the model has max_position"):
+        bounded_generate(runner, ids, 8, 10)  # 250 read, 9 more to decode
+    assert runner.seen == 0
+
+
 def test_two_level_refuses_what_would_lose_a_leaf() -> None:
     with pytest.raises(ValueError, match="merge_threshold: two-level KVM-Fold keeps every"):
         KVMFoldConfig(budget=26, sinks=2, window=16, open=2, merge_threshold=0.5)

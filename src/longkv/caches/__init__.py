@@ -1,13 +1,15 @@
 """Bounded caches for frozen Hugging Face causal LMs: the model reads a long input in chunks
 and keeps at most a budget of cache entries per layer and KV head. StreamingLLM (sinks + recent
-window), SnapKV-style eviction, KVM-Fold (sinks + a KVM state of slots + recent window), their
-naive references and the method table the commands share."""
+window), SnapKV-style eviction, KVM-Fold (sinks + a KVM state of slots + recent window) and
+two-level KVM-Fold (its slots opened to the exact tokens they own), their naive references and
+the method table the commands share."""
 
 from longkv.caches.bounded import BoundedConfig, BoundedRunner, bounded_fold, bounded_generate
 from longkv.caches.eviction import SnapKVConfig, SnapKVRunner
 from longkv.caches.kvm_fold import KVMFoldConfig, KVMFoldRunner
-from longkv.caches.methods import run_bounded
+from longkv.caches.methods import make_runner, run_bounded
 from longkv.caches.streaming import StreamingRunner, stream, streaming_generate, streaming_llm
+from longkv.caches.two_level import TwoLevelRunner
 
 __all__ = [
     "BoundedConfig",
@@ -17,8 +19,10 @@ __all__ = [
     "SnapKVConfig",
     "SnapKVRunner",
     "StreamingRunner",
+    "TwoLevelRunner",
     "bounded_fold",
     "bounded_generate",
+    "make_runner",
     "run_bounded",
     "stream",
     "streaming_generate",

@@ -189,6 +189,10 @@ class BoundedRunner:
         that leave the window."""
         raise NotImplementedError
 
+    def check_room(self, tokens: int) -> None:
+        """Refuse before reading unless `tokens` more can be read: a bounded cache places them
+        inside its budget, so always."""
+
     def hooks(self, chunk: int) -> AttentionHooks | None:
         """What the next forward of `chunk` tokens needs from attention (None: nothing)."""
         return None
@@ -331,6 +335,7 @@ def bounded_fold(
     """Feed input_ids (B, T) through a bounded runner chunk by chunk; nll and logits as for
     `kv_fold` (the result's cache: the entries and chunk of the last forward)."""
     check_input(input_ids, chunk_size)
+    runner.check_room(input_ids.shape[1])
     if chunk_size > runner.config.window_len:
         raise ValueError(
             f"chunk_size: {chunk_size} exceeds the window {runner.config.window_len}; a chunk "
@@ -352,5 +357,6 @@ def bounded_generate(
     progress: bool = False,
 ) -> Tensor:
     """Read a prompt (B, T) through the runner, then greedy-decode (B, n) from its cache."""
+    runner.check_room(input_ids.shape[1] + max_new_tokens - 1)  # the last token is not read
     run = bounded_fold(runner, input_ids, chunk_size, progress=progress)
     return greedy_decode(runner.forward, run.last_logits, max_new_tokens, eos_token_id)

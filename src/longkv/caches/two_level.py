@@ -239,7 +239,12 @@ class TwoLevelRunner(KVMFoldRunner):
             return None  # nothing has left the window: plain attention
         return AttentionHooks(route=[self.route(i) for i in range(len(self.leaves))])
 
+    def check_room(self, tokens: int) -> None:
+        """Every token keeps its position: refuse unless the model has positions for the
+        tokens read so far and `tokens` more."""
+        check_positions(self.model, self.seen + tokens, "the input read so far and to come")
+
     def forward(self, ids: Tensor) -> Tensor:
         """Logits (B, L, V) of ids (B, L) at the next positions, after making room."""
-        check_positions(self.model, self.seen + ids.shape[1], "the input read so far")
+        self.check_room(ids.shape[1])
         return super().forward(ids)

@@ -42,7 +42,8 @@ def answer(
     span: tuple[int, int] | None = None,
 ) -> tuple[list[int], dict[str, float] | None]:
     """Greedy answer tokens of one method run (a label of `s.runs`) to the prompt ids (1, T),
-    and for kvm-fold where the tokens of `span` went (`KVMFoldRunner.fates`; else None).
+    and for kvm-fold where the tokens of `span` went (`KVMFoldRunner.fates`; else None). A
+    chunked read shows its progress (a bar that goes when it is done).
 
     allow_extrapolation lets full and fold run a RoPE model past its max_position_embeddings
     (`fold_generate`)."""
@@ -51,11 +52,11 @@ def answer(
         size, variant = (ids.shape[1], "exact") if method == "full" else (s.chunk_size, s.variant)
         out = fold_generate(
             model, ids, size, n, eos_token_id=eos, allow_extrapolation=allow_extrapolation,
-            variant=variant,
+            variant=variant, progress=method == "fold",
         )  # fmt: skip
     else:
         runner = make_runner(model, s.bounded_configs(s.methods)[method], track=True)
-        out = bounded_generate(runner, ids, s.stream_chunk, n, eos_token_id=eos)
+        out = bounded_generate(runner, ids, s.stream_chunk, n, eos_token_id=eos, progress=True)
         if isinstance(runner, KVMFoldRunner) and span is not None:
             fate = runner.fates(*span)
     tokens = out[0].tolist()
@@ -127,11 +128,18 @@ def check_grid(model: nn.Module, s: NiahSettings, allow_extrapolation: bool = Fa
     at its lengths; ValueError if it cannot run a method at all. Nothing is run.
 
     Full attention and the fold run past max_position_embeddings only on a RoPE model with
-    allow_extrapolation (`check_positions`); a bounded cache never does."""
+    allow_extrapolation (`check_positions`); a bounded cache never needs to, and two-level
+    KVM-Fold, which keeps every token at its own position, never does."""
+    configs = s.check_runs(model, s.methods)
+    # two-level KVM-Fold keeps every token at its own position, as full attention does
+    two_level = [label for label, c in configs.items() if getattr(c, "open", 0)]
+    n = max(s.lengths)
+    # the prompt (length - ANSWER_BUDGET tokens), then all but the last answer token
+    needed = n - ANSWER_BUDGET + s.max_new_tokens - 1
+    if two_level:
+        with refused_as(s, "lengths", f"{two_level[0]}: {{}}"):
+            check_positions(model, needed, f"{n} (the prompt, then the answer)")
     if {"full", "fold"} & set(s.methods):
-        # the prompt (length - ANSWER_BUDGET tokens), then all but the last answer token
-        n = max(s.lengths)
-        needed = n - ANSWER_BUDGET + s.max_new_tokens - 1
         inserted = (
             inserted_positions(s.variant, n - ANSWER_BUDGET, s.chunk_size)
             if "fold" in s.methods
@@ -150,7 +158,6 @@ def check_grid(model: nn.Module, s: NiahSettings, allow_extrapolation: bool = Fa
             with refused_as(s, "variant"):
                 check_variant(s.variant, model)
         check_foldable(model, needed, allow_extrapolation=allow_extrapolation)
-    s.check_runs(model, s.methods)
 
 
 def build_samples(

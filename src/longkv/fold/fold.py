@@ -199,7 +199,7 @@ def score_chunks(
     last: Tensor | None = None
     n_chunks = -(-T // chunk_size)
     with torch.inference_mode():
-        for t in tqdm(range(n_chunks), desc=desc, unit="chunk", disable=not progress):
+        for t in tqdm(range(n_chunks), desc=desc, unit="chunk", disable=not progress, leave=False):
             t0 = time.perf_counter()
             chunk = input_ids[:, t * chunk_size : (t + 1) * chunk_size]
             L = chunk.shape[1]
