@@ -203,6 +203,53 @@ def test_each_opening_is_a_run_labelled_with_its_store_unless_exact() -> None:
         "kvm-fold/sqrt@1024", "kvm-fold/sqrt/open8/int8@1024",
     ]  # fmt: skip
     assert BoundedOptions(kvm_open=(4,)).labels(("kvm-fold",)) == ["kvm-fold/fixed/open4@1024"]
+    centred = BoundedOptions(kvm_open=(0, 4), kvm_slot_key="centred")
+    assert centred.labels(("kvm-fold",)) == [
+        "kvm-fold/fixed@1024",
+        "kvm-fold/fixed/open4/centred@1024",
+    ]
+
+
+@pytest.mark.parametrize("slot_key", ["rotated", "centred"])
+def test_a_slots_key_is_its_tokens_mean_rotated_key_or_their_centred_mean(slot_key: str) -> None:
+    """Against the leaves, per slot in float64: the mean of the rotated keys it owns, or the
+    mean of their un-rotated keys rotated at their mean position (leaf j is token 2 + j)."""
+    from longkv.attention.rope import angles_at, rotate
+
+    model, ids = tiny_hf("llama", torch.float64), ids_of()
+    config = KVMFoldConfig(budget=26, sinks=2, window=16, open=2, slot_key=slot_key)
+    runner = make_runner(model, config)
+    assert isinstance(runner, TwoLevelRunner)
+    bounded_fold(runner, ids, 8)
+    leaves = runner.leaves[1]
+    assert leaves is not None
+    keys, _, owner, _ = leaves.gather(None, torch.float64)
+    positions = torch.arange(2, 2 + len(leaves), dtype=torch.float64)
+    cos, sin = angles_at(-positions, runner.inv_freq)
+    plain = rotate(keys, cos, sin)  # the leaves' un-rotated keys
+    got = runner.middle(1)[0]
+    S = got.shape[2]
+    for b in range(2):
+        for h in range(keys.shape[1]):
+            for slot in range(S):
+                mine = owner[b, h] == slot
+                if slot_key == "rotated":
+                    want = keys[b, h, mine].mean(0)
+                else:
+                    c, s_ = angles_at(positions[mine].mean().view(1), runner.inv_freq)
+                    want = rotate(plain[b, h, mine].mean(0, keepdim=True), c, s_)[0]
+                torch.testing.assert_close(got[b, h, slot], want, rtol=0, atol=TOL)
+
+
+def test_centred_slot_keys_still_open_to_the_exact_fold() -> None:
+    model, ids = tiny_hf("qwen2"), ids_of()
+    exact = kv_fold(model, ids, ids.shape[1], return_logits=True).logits
+    config = KVMFoldConfig(budget=26, sinks=2, window=16, open=8, slot_key="centred")
+    run = bounded_fold(make_runner(model, config), ids, 7, return_logits=True).logits
+    assert run is not None and exact is not None
+    assert (run - exact).abs().max().item() <= 1e-5
+    with pytest.raises(ValueError, match="slot_key: only two-level KVM-Fold"):
+        KVMFoldConfig(budget=26, sinks=2, window=16, slot_key="centred")
 
 
 def test_a_read_past_the_models_positions_is_refused_before_the_first_chunk() -> None:

@@ -33,6 +33,7 @@ from longkv.fold.attention import AttentionHooks
 from longkv.kvm.config import BudgetRule, desired_state_len
 
 STATES = ("fixed", "sqrt", "saturation")
+SLOT_KEYS = ("rotated", "centred")
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,13 @@ class KVMFoldConfig(BoundedConfig):
         "file (the model's dtype, in a memory-mapped file per layer)",
         choices=LEAF_STORES,
     )
+    slot_key: str = setting(
+        "rotated",
+        "two-level KVM-Fold: the key a slot is ranked and read by: rotated (the mean of its "
+        "tokens' keys as rotated at their positions) or centred (the mean of their un-rotated "
+        "keys, rotated at their mean position)",
+        choices=SLOT_KEYS,
+    )
     leaf_dir: str | None = setting(
         None,
         "two-level KVM-Fold, file leaves: the folder their files go to (default: the system's "
@@ -95,6 +103,11 @@ class KVMFoldConfig(BoundedConfig):
             self.budget_rule  # noqa: B018
         require_at_least(0, self, "open")
         require(self.leaves in LEAF_STORES, self, "leaves", f"must be one of {LEAF_STORES}")
+        require(self.slot_key in SLOT_KEYS, self, "slot_key", f"must be one of {SLOT_KEYS}")
+        require(
+            self.open or self.slot_key == "rotated", self, "slot_key",
+            "only two-level KVM-Fold (open > 0) reads its slots by another key",
+        )  # fmt: skip
         require(
             self.leaf_dir is None or os.path.isdir(self.leaf_dir), self, "leaf_dir",
             f"{self.leaf_dir!r} is not a folder; create it or leave it unset",

@@ -4,8 +4,9 @@
 `kvm-fold` keep at most a budget of entries per layer and KV head, and run once per budget in
 `budgets` (kvm-fold also once per state budget in `kvm_states`). Each run has a label:
 `streaming@1024`, `snapkv@1024`, `kvm-fold/sqrt@1024`, or for two-level KVM-Fold (each of
-`kvm_open` slots opened per query head) `kvm-fold/sqrt/open8@1024`, with its leaf store named
-unless exact (`kvm-fold/sqrt/open8/int8@1024`); the leaves are outside the budget.
+`kvm_open` slots opened per query head) `kvm-fold/sqrt/open8@1024`, with its leaf store and
+slot key named unless the defaults (`kvm-fold/sqrt/open8/int8/centred@1024`); the leaves are
+outside the budget.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ class BoundedOptions:
         feeds=(KVMFoldConfig, "open"),
     )
     kvm_leaves: str = mirror(KVMFoldConfig, "leaves", "kvm-fold: ")
+    kvm_slot_key: str = mirror(KVMFoldConfig, "slot_key", "kvm-fold: ")
     kvm_leaf_dir: str | None = mirror(KVMFoldConfig, "leaf_dir", "kvm-fold: ")
 
     def bounded_configs(self, methods: tuple[str, ...]) -> dict[str, BoundedConfig]:
@@ -104,6 +106,7 @@ class BoundedOptions:
                         growth_factor=self.kvm_growth_factor, readout=self.kvm_readout,
                         count_bias=self.kvm_count_bias, merge_threshold=self.kvm_merge_threshold,
                         open=k, leaves=self.kvm_leaves, leaf_dir=self.kvm_leaf_dir,
+                        slot_key=self.kvm_slot_key if k else "rotated",  # coarse: not read
                     )  # fmt: skip
         for label, config in configs.items():
             require(
@@ -115,11 +118,13 @@ class BoundedOptions:
         return configs
 
     def two_level_tag(self, k: int) -> str:
-        """The label part of a kvm-fold run opening k slots: "" (coarse), "/open8", or with
-        leaves other than exact "/open8/int8"."""
+        """The label part of a kvm-fold run opening k slots: "" (coarse), "/open8", with the
+        options that differ from the default after it: "/open8/int8/centred"."""
         if not k:
             return ""
-        return f"/open{k}" + ("" if self.kvm_leaves == "exact" else f"/{self.kvm_leaves}")
+        options = [self.kvm_leaves] if self.kvm_leaves != "exact" else []
+        options += [self.kvm_slot_key] if self.kvm_slot_key != "rotated" else []
+        return "/".join(["", f"open{k}", *options])
 
     def check_runs(self, model: nn.Module, methods: tuple[str, ...]) -> dict[str, BoundedConfig]:
         """`bounded_configs`, after a SettingError unless every bounded run fits the model: its

@@ -131,7 +131,8 @@ class TwoLevelRunner(KVMFoldRunner):
         super().__init__(model, config, track)
         layers = model.config.num_hidden_layers
         self.leaves: list[LeafStore | None] = [None] * layers
-        self.slot_keys: list[Rows | None] = [None] * layers  # sums of rotated keys (B, Hkv, S, D)
+        # per slot: sums of its tokens' rotated keys and of their positions (B, Hkv, S, D + 1)
+        self.slot_sums: list[Rows | None] = [None] * layers
 
     @property
     def position(self) -> int:
@@ -154,22 +155,31 @@ class TwoLevelRunner(KVMFoldRunner):
             c = self.config
             leaves = self.leaves[layer] = make_leaves(c.leaves, keys, values, c.leaf_dir)
         leaves.append(keys, values, dest)
-        sums = self.slot_keys[layer]
-        sums = Rows.of(keys[:, :, :0].double()) if sums is None else sums
+        B, Hkv, m, _ = keys.shape
+        positions = torch.arange(first, first + m, device=keys.device, dtype=torch.float64)
+        rows = torch.cat([keys.double(), positions.expand(B, Hkv, m).unsqueeze(-1)], dim=-1)
+        sums = self.slot_sums[layer]
+        sums = Rows.of(rows[:, :, :0]) if sums is None else sums
         state = self.states[layer]
         assert state is not None
-        new = keys.new_zeros(*keys.shape[:2], state.num_slots - len(sums), keys.shape[-1])
-        sums = sums.append(new.double(), True)
-        self.slot_keys[layer] = sums.add_at(dest, keys.double(), True)
+        new = rows.new_zeros(B, Hkv, state.num_slots - len(sums), rows.shape[-1])
+        self.slot_sums[layer] = sums.append(new, True).add_at(dest, rows, True)
 
     def middle(self, layer: int) -> tuple[Tensor, Tensor]:
-        """The slots' read-out: mean rotated keys (B, Hkv, S, D) and mean values."""
-        state, sums = self.states[layer], self.slot_keys[layer]
+        """The slots' read-out (`KVMFoldConfig.slot_key`): keys (B, Hkv, S, D) rotated and
+        mean values."""
+        state, sums = self.states[layer], self.slot_sums[layer]
         if state is None or sums is None:
             return super().middle(layer)
-        dtype = self.window_k[layer].dtype
-        keys = (sums.tensor / state.count.unsqueeze(-1)).to(dtype)
-        return keys, read_slots(state, "mean")[1].to(dtype)
+        dtype, count = self.window_k[layer].dtype, state.count.unsqueeze(-1)
+        means = sums.tensor / count  # (B, Hkv, S, D + 1): mean rotated key, mean position
+        if self.config.slot_key == "rotated":
+            keys = means[..., :-1]
+        else:  # the mean un-rotated key, rotated at the mean position
+            cos, sin = angles_at(means[..., -1].reshape(-1), self.inv_freq)
+            at = (*means.shape[:-1], -1)
+            keys = rotate(state.key_sum.double() / count, cos.view(at), sin.view(at))
+        return keys.to(dtype), read_slots(state, "mean")[1].to(dtype)
 
     def build_cache(self) -> DynamicCache:
         """Every layer's bounded part [sinks | slot read-outs | window], as rotated."""
@@ -220,8 +230,8 @@ class TwoLevelRunner(KVMFoldRunner):
             super().count_attended(entries, L)
 
     def middle_bytes(self) -> int:
-        """The states' bytes and their sums of rotated keys."""
-        sums = [s.tensor for s in self.slot_keys if s is not None]
+        """The states' bytes and their sums of rotated keys and positions."""
+        sums = [s.tensor for s in self.slot_sums if s is not None]
         return super().middle_bytes() + tensor_bytes(*sums)
 
     def resident_bytes(self) -> dict[str, int]:
