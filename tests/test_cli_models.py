@@ -61,6 +61,8 @@ def test_fold_runs_a_saved_longkv_model(longkv_dir: Path, tmp_path: Path) -> Non
     assert main(argv) == 0
     runs = {r["method"]: r for r in json.loads((tmp_path / "f.json").read_text())["runs"]}
     assert runs["fold"]["max_abs_nll_diff_vs_full"] <= 1e-10
+    # its own cache (KVM states, windows) counts its bytes; bounded, not every token's keys
+    assert 0 < runs["full"]["cache_bytes"] == runs["fold"]["cache_bytes"]
 
 
 def test_generate_runs_any_causal_lm_as_what_it_is(

@@ -22,6 +22,7 @@ from longkv.bench.memory import keep_freed_heap, load_weights, peak_memory
 from longkv.caches.bounded import BoundedConfig, BoundedRunner, bounded_fold
 from longkv.caches.methods import make_runner
 from longkv.fold.fold import FoldResult, kv_fold
+from longkv.models.modeling import LongKVCache
 from longkv.results import markdown_table
 
 # enough tokens for every bounded cache of the default budgets to append, merge and evict
@@ -88,7 +89,10 @@ def cache_use(result: FoldResult, runner: BoundedRunner | None, T: int) -> dict[
     """`MethodRun`'s attended shares and bytes of a run over T tokens: a bounded runner's, or
     a cache of every token's (runner None)."""
     if runner is None:
-        held = sum(tensor_bytes(layer.keys, layer.values) for layer in result.cache.layers)
+        cache = result.cache  # a longkv model's own cache counts its states itself
+        held = cache.nbytes if isinstance(cache, LongKVCache) else sum(
+            tensor_bytes(layer.keys, layer.values) for layer in cache.layers
+        )  # fmt: skip
         return dict(attended_share=1.0, attended_share_max=1.0, cache_bytes=held, leaf_bytes=0,
                     leaf_file_bytes=0)  # fmt: skip
     share = runner.attention_share(since=(T - 1) // result.chunk_size * result.chunk_size)

@@ -26,7 +26,7 @@ from longkv.attention.layers import (
     FullAttention,
     SlidingWindowAttention,
 )
-from longkv.attention.state import WindowCache
+from longkv.attention.state import WindowCache, tensor_bytes
 from longkv.data import IGNORE
 from longkv.kvm.layer import KVMAttention
 from longkv.kvm.state import KVMState
@@ -91,6 +91,17 @@ class LongKVCache(Cache):
             "cache: a LongKVCache cannot drop tokens (KVM states have merged them); run the "
             "sequence again from an earlier cache instead"
         )
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every layer's state and token-shift input."""
+        total = 0
+        for layer in self.layers:
+            if layer.mixer is not None:
+                total += layer.mixer.nbytes
+            if layer.last_input is not None:
+                total += tensor_bytes(layer.last_input)
+        return total
 
     def reset(self) -> None:
         """Back to an empty sequence."""
