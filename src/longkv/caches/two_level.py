@@ -7,17 +7,19 @@ opened slots and, for each unopened slot, the slot's read-out weighted as its co
 (logit + log count). Opening every slot gives softmax attention over sinks, leaves and window,
 the exact cache; opening none gives the coarse KVM-Fold with the log(count) bias.
 
-The keys of one layer are laid out as entries [sinks | slot read-outs | leaves | window]; the
-routing becomes an additive bias per query head and entry (`two_level_bias`), which the model's
-own attention adds to its logits. `two_level_attention` is that softmax written out; the tests
-compare it with `naive.two_level_attention_naive`, one query and head at a time.
+Over a layer's entries [sinks | slot read-outs | leaves | window] the routing is an additive
+bias per query head and entry (`two_level_bias`), added to the logits. `two_level_attention` is
+that softmax written out; the tests compare it with `naive.two_level_attention_naive`, one query
+and head at a time.
 
-`TwoLevelRunner` reads a frozen model's input through such a cache. Unlike the bounded caches,
-which re-rotate their entries into positions inside the budget, it keeps every token at the
-position the model gave it (the exact fold's), so that opening every slot is the exact fold. A
-slot's read-out key is the mean of its tokens' rotated keys: a query's logit against it is the
-mean of its logits against them. The KVM state itself routes leaving tokens on un-rotated keys,
-as KVM-Fold does.
+`TwoLevelRunner` reads a frozen model's input through such a cache: the model's cache holds the
+bounded part [sinks | slot read-outs | window], the leaves a `LeafStore` per layer, and each
+layer's attention inserts the leaves of the slots its queries open (`TwoLevelRunner.route`).
+Unlike the bounded caches, which re-rotate their entries into positions inside the budget, it
+keeps every token at the position the model gave it (the exact fold's), so that opening every
+slot is the exact fold. A slot's read-out key is by default the mean of its tokens' rotated keys
+(a query's logit against it is the mean of its logits against them; `KVMFoldConfig.slot_key`).
+The KVM state itself routes leaving tokens on un-rotated keys, as KVM-Fold does.
 """
 
 from __future__ import annotations
