@@ -384,6 +384,8 @@ def test_niah_runs_two_level_kvm_fold_labelled_and_with_every_slot_open_answers_
     by_method = {r["method"]: r["prediction"] for r in records}
     assert set(by_method) == {"full", "kvm-fold/fixed@64", "kvm-fold/fixed/open28@64"}
     assert by_method["kvm-fold/fixed/open28@64"] == by_method["full"]  # 28 slots: all open
+    fate = next(r["needle_fate"] for r in records if r["method"] == "kvm-fold/fixed/open28@64")
+    assert fate["left"] > 0 and fate["routed"] == 1.0  # every slot open: every token routed
 
 
 @pytest.mark.parametrize(

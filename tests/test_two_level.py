@@ -252,6 +252,36 @@ def test_centred_slot_keys_still_open_to_the_exact_fold() -> None:
         KVMFoldConfig(budget=26, sinks=2, window=16, slot_key="centred")
 
 
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_the_needle_route_ranks_each_leaving_tokens_slot_for_the_last_query(k: int) -> None:
+    """Against a per-token count: a token that left the window is routed by a query head when
+    fewer than k slots score above its slot (earlier slots first on ties); tokens still in the
+    window count in `left` only."""
+    model, ids = tiny_hf("llama", torch.float64), ids_of()
+    runner = make_runner(model, KVMFoldConfig(budget=26, sinks=2, window=16, open=k))
+    assert isinstance(runner, TwoLevelRunner)
+    bounded_fold(runner, ids, 8)
+    # the last chunk (88, 89) was read after a window of 74 .. 87: tokens 60 .. 73 had left it
+    start, stop = 60, 80
+    got = runner.needle_route(start, stop)
+    ranks = []
+    for scores, leaves in zip(runner.last_scores, runner.leaves, strict=True):
+        assert scores is not None and leaves is not None
+        groups = scores.shape[1] // leaves.owner.tensor.shape[1]
+        for b in range(2):
+            for h in range(scores.shape[1]):
+                order = sorted(range(scores.shape[2]), key=lambda i: (-float(scores[b, h, i]), i))
+                for p in range(start, min(stop, 2 + len(leaves))):
+                    slot = int(leaves.owner.tensor[b, h // groups, p - 2, 0])
+                    ranks.append(order.index(slot))
+    n_layers, H = len(runner.leaves), runner.last_scores[0].shape[1]
+    assert got["left"] == pytest.approx(len(ranks) / (20 * 2 * H * n_layers))
+    assert got["left"] == pytest.approx(14 / 20)
+    assert got["routed"] == pytest.approx(sum(r < k for r in ranks) / len(ranks))
+    assert got["slot_rank"] == float(torch.tensor(ranks, dtype=torch.float64).median())
+    assert runner.needle_route(80, 90) == {"left": 0.0}  # all still in the window
+
+
 def test_a_read_past_the_models_positions_is_refused_before_the_first_chunk() -> None:
     model = tiny_hf("llama")  # 256 positions
     runner = make_runner(model, KVMFoldConfig(budget=26, sinks=2, window=16, open=2))

@@ -15,6 +15,7 @@ values (the first `sinks` tokens of the input become the sinks).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -355,8 +356,12 @@ def bounded_generate(
     *,
     eos_token_id: int | None = None,
     progress: bool = False,
+    after_prompt: Callable[[], object] | None = None,
 ) -> Tensor:
-    """Read a prompt (B, T) through the runner, then greedy-decode (B, n) from its cache."""
+    """Read a prompt (B, T) through the runner, then greedy-decode (B, n) from its cache;
+    after_prompt is called between the two (to look at the runner as the prompt left it)."""
     runner.check_room(input_ids.shape[1] + max_new_tokens - 1)  # the last token is not read
     run = bounded_fold(runner, input_ids, chunk_size, progress=progress)
+    if after_prompt is not None:
+        after_prompt()
     return greedy_decode(runner.forward, run.last_logits, max_new_tokens, eos_token_id)

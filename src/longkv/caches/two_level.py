@@ -135,6 +135,8 @@ class TwoLevelRunner(KVMFoldRunner):
         self.leaves: list[LeafStore | None] = [None] * layers
         # per slot: sums of its tokens' rotated keys and of their positions (B, Hkv, S, D + 1)
         self.slot_sums: list[Rows | None] = [None] * layers
+        # per layer: the last query's slot scores in its last forward (B, H, S)
+        self.last_scores: list[Tensor | None] = [None] * layers
 
     @property
     def position(self) -> int:
@@ -210,7 +212,9 @@ class TwoLevelRunner(KVMFoldRunner):
 
         def entries(q: Tensor, keys: Tensor, values: Tensor, scale: float) -> RouteResult:
             count = state.count.to(q.dtype)
-            opened = open_slots(q, keys[:, :, sinks : sinks + S], count, self.config.open, scale)
+            slot_k = keys[:, :, sinks : sinks + S]
+            opened = open_slots(q, slot_k, count, self.config.open, scale)
+            self.last_scores[layer] = slot_logits(q[:, :, -1:], slot_k, count, scale)[:, :, 0]
             window = keys.shape[2] - sinks - S
             self.tally(attended_entries(opened, count, sinks, window))
             B, Hkv = count.shape[:2]
@@ -225,6 +229,39 @@ class TwoLevelRunner(KVMFoldRunner):
             )
 
         return entries
+
+    def needle_route(self, start: int, stop: int) -> dict[str, float]:
+        """How the last query read routed to the tokens start .. stop - 1 (a needle's answer),
+        over layers, rows and query heads: `left`, the share of them that had left the window;
+        of those, `routed`, the share whose slot it opened, and `slot_rank`, the median rank of
+        their slots (0: its best; the earlier slot first on ties), both left out where none
+        had left."""
+        ranks: list[Tensor] = []
+        for scores, leaves in zip(self.last_scores, self.leaves, strict=True):
+            if scores is None or leaves is None:
+                continue
+            sinks = self.sink_k[0].shape[2]  # leaf j is token sinks + j
+            lo, hi = max(start - sinks, 0), min(stop - sinks, len(leaves))
+            if lo >= hi:
+                continue
+            groups = scores.shape[1] // leaves.owner.tensor.shape[1]
+            slots = leaves.owner.tensor[:, :, lo:hi, 0].repeat_interleave(groups, dim=1)
+            mine = scores.gather(-1, slots).unsqueeze(-1)  # (B, H, n, 1)
+            index = torch.arange(scores.shape[-1], device=scores.device)
+            ahead = (scores.unsqueeze(2) > mine) | (
+                (scores.unsqueeze(2) == mine) & (index < slots.unsqueeze(-1))
+            )  # (B, H, n, S): the slots ranked before each token's
+            ranks.append(ahead.sum(-1).flatten())
+        if not ranks:
+            return {"left": 0.0}
+        rank = torch.cat(ranks)
+        scores = next(x for x in self.last_scores if x is not None)
+        total = (stop - start) * scores.shape[0] * scores.shape[1] * len(self.leaves)
+        return {
+            "left": rank.numel() / total,
+            "routed": float((rank < self.config.open).double().mean()),
+            "slot_rank": float(rank.double().median()),
+        }
 
     def count_attended(self, entries: int, L: int) -> None:
         """Once tokens have left the window, each layer's route counts per query head."""

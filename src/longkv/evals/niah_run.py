@@ -23,6 +23,7 @@ from tqdm import tqdm
 from longkv.caches.bounded import bounded_generate
 from longkv.caches.kvm_fold import KVMFoldRunner
 from longkv.caches.methods import make_runner
+from longkv.caches.two_level import TwoLevelRunner
 from longkv.checks import refuse, refused_as
 from longkv.evals.niah import ANSWER_BUDGET, NiahSample, answer_span, make_sample, sample_score
 from longkv.evals.niah_records import NiahRecord, NiahRun, NiahSettings
@@ -42,8 +43,10 @@ def answer(
     span: tuple[int, int] | None = None,
 ) -> tuple[list[int], dict[str, float] | None]:
     """Greedy answer tokens of one method run (a label of `s.runs`) to the prompt ids (1, T),
-    and for kvm-fold where the tokens of `span` went (`KVMFoldRunner.fates`; else None). A
-    chunked read shows its progress (a bar that goes when it is done).
+    and for kvm-fold where the tokens of `span` went (`KVMFoldRunner.fates`; else None), with,
+    for two-level KVM-Fold, how the prompt's last query routed to them
+    (`TwoLevelRunner.needle_route`). A chunked read shows its progress (a bar that goes when it
+    is done).
 
     allow_extrapolation lets full and fold run a RoPE model past its max_position_embeddings
     (`fold_generate`)."""
@@ -56,9 +59,17 @@ def answer(
         )  # fmt: skip
     else:
         runner = make_runner(model, s.bounded_configs(s.methods)[method], track=True)
-        out = bounded_generate(runner, ids, s.stream_chunk, n, eos_token_id=eos, progress=True)
+        route: dict[str, float] = {}
+
+        def routed() -> None:  # how the prompt's last query routed to the answer
+            if isinstance(runner, TwoLevelRunner) and span is not None:
+                route.update(runner.needle_route(*span))
+
+        out = bounded_generate(
+            runner, ids, s.stream_chunk, n, eos_token_id=eos, progress=True, after_prompt=routed
+        )
         if isinstance(runner, KVMFoldRunner) and span is not None:
-            fate = runner.fates(*span)
+            fate = {**runner.fates(*span), **route}
     tokens = out[0].tolist()
     return tokens[: tokens.index(eos)] if eos is not None and eos in tokens else tokens, fate
 
