@@ -264,6 +264,26 @@ def fold_and_full(model: str, out: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
+def test_niah_takes_the_answers_another_run_gave_to_its_runs_and_cells(
+    tiny_model: str, tmp_path: Path
+) -> None:
+    """A grid grown by a sample and a method takes the first run's answers and gives the rest."""
+    assert main(fold_and_full(tiny_model, tmp_path / "a")) == 0
+    first = json.loads((tmp_path / "a" / "n.json").read_text())["records"]
+    grown = fold_and_full(tiny_model, tmp_path / "b", "--samples", "2")
+    grown[grown.index("fold")] = "streaming"
+    extra = ["--budgets", "64", "--stream-chunk", "16"]
+    assert main([*grown, *extra, "--niah-records", str(tmp_path / "a" / "n.json")]) == 0
+    records = json.loads((tmp_path / "b" / "n.json").read_text())["records"]
+    assert sorted((r["method"], r["seed"]) for r in records) == [
+        ("full", 0), ("full", 1), ("streaming@64", 0), ("streaming@64", 1),
+    ]  # fmt: skip
+    assert [r for r in records if r["method"] == "full" and r["seed"] == 0] == [
+        r for r in first if r["method"] == "full"
+    ]  # taken as given, not answered again
+    assert "- 1 needle answers from `longkv niah --model" in (tmp_path / "b" / "n.md").read_text()
+
+
 def test_a_fold_variant_is_named_on_the_page_and_refused_where_it_changes_nothing(
     tiny_model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -14,11 +14,11 @@ from pathlib import Path
 from longkv.bench.bounded import bounded_nll, write_bounded_page
 from longkv.checks import require_at_least, setting
 from longkv.cli.args import command
-from longkv.cli.common import ModelOptions, dtype_setting, require_positions
+from longkv.cli.common import ModelOptions, dtype_setting, niah_records_setting, require_positions
 from longkv.data.corpus import DEFAULT_TEXT
-from longkv.evals.niah_records import NiahRecord, NiahSettings
+from longkv.evals.niah_records import NiahSettings
 from longkv.evals.niah_report import accuracy_table
-from longkv.evals.niah_resume import reusable_records
+from longkv.evals.niah_resume import reused_answers
 from longkv.evals.niah_run import check_grid, run_niah
 from longkv.results import provenance
 
@@ -33,11 +33,7 @@ class BoundedStudyOptions:
     text: str = setting(DEFAULT_TEXT, "corpus file the NLL is measured on")
     dtype: str = dtype_setting()
     name: str = setting("bounded", "file name stem of the results")
-    niah_records: tuple[str, ...] = setting(
-        (),
-        "result files of `longkv niah` runs of the same grid and method options whose answers "
-        "are reused (runs split over processes); their commands are listed on the page",
-    )
+    niah_records: tuple[str, ...] = niah_records_setting()
 
     def __post_init__(self) -> None:
         require_at_least(1, self, "nll_tokens")
@@ -55,15 +51,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     check_grid(model, s, m.allow_extrapolation)
     longest = max(o.nll_tokens)
     require_positions(model, longest, o, "nll_tokens", f"{longest} tokens", m.allow_extrapolation)
-    reused: list[NiahRecord] = []
-    sources: list[str] = []
-    for path in o.niah_records:
-        records, source = reusable_records(Path(path), s)
-        reused += records
-        sources.append(
-            f"- {len(records)} needle answers from `{source.get('command')}` "
-            f"(commit `{source.get('commit')}`)"
-        )
+    reused, sources = reused_answers(o.niah_records, s)
     stem = Path(m.out_dir) / o.name
     stem.parent.mkdir(parents=True, exist_ok=True)
     prov = provenance(argv)

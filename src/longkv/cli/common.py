@@ -56,6 +56,15 @@ def dtype_setting(help: str = "weights and activations") -> Any:
     return setting("fp32", help, choices=sorted(DTYPES))
 
 
+def niah_records_setting() -> Any:
+    """The `--niah-records` option: niah result files whose answers a run takes."""
+    return setting(
+        (),
+        "result files of `longkv niah` runs whose answers to runs and cells of this grid are "
+        "reused (a grid split over processes, or grown); their commands are listed on the page",
+    )
+
+
 def input_device(model: torch.nn.Module) -> torch.device:
     """Where token ids go: the device of the input embedding."""
     return model.get_input_embeddings().weight.device

@@ -11,9 +11,10 @@ from pathlib import Path
 
 from longkv.checks import setting
 from longkv.cli.args import command
-from longkv.cli.common import ModelOptions, dtype_setting
+from longkv.cli.common import ModelOptions, dtype_setting, niah_records_setting
 from longkv.evals.niah_records import NiahSettings
 from longkv.evals.niah_report import accuracy_table, verdict, write_niah_page
+from longkv.evals.niah_resume import reused_answers
 from longkv.evals.niah_run import run_niah
 from longkv.results import provenance
 
@@ -24,6 +25,7 @@ class NiahOptions:
 
     dtype: str = dtype_setting()
     name: str = setting("niah_demo", "file name stem of the results")
+    niah_records: tuple[str, ...] = niah_records_setting()
 
 
 def configure(name: str, parser: argparse.ArgumentParser) -> None:
@@ -35,13 +37,14 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     m, o = args.settings[ModelOptions], args.settings[NiahOptions]
     settings = args.settings[NiahSettings]
     model, tokenizer = m.load(o.dtype)
+    reused, sources = reused_answers(o.niah_records, settings)
     stem = Path(m.out_dir) / o.name
     prov = provenance(argv)
     result = run_niah(
         model, tokenizer, settings, stem.with_suffix(".json"), prov, m.corpus_dir,
-        m.allow_extrapolation,
+        m.allow_extrapolation, reused,
     )  # fmt: skip
     print("\n".join([accuracy_table(result), *verdict(result.records)]))
-    paths = write_niah_page(result, stem, f"longkv niah: {m.model}, {o.dtype}", prov)
+    paths = write_niah_page(result, stem, f"longkv niah: {m.model}, {o.dtype}", prov, sources)
     print("wrote " + ", ".join(map(str, paths)))
     return 0

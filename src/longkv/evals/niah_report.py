@@ -139,15 +139,19 @@ def methods_line(s: NiahSettings) -> str:
     )
 
 
-def write_niah_page(run: NiahRun, stem: Path, title: str, prov: dict[str, Any]) -> list[Path]:
-    """stem.md (the methods, the accuracy table, the fold's verdict) and stem.png (the heatmap)
-    beside the run's stem.json; returns the three paths."""
+def write_niah_page(
+    run: NiahRun, stem: Path, title: str, prov: dict[str, Any], sources: list[str] | None = None
+) -> list[Path]:
+    """stem.md (the methods, where reused answers came from (`sources`, lines), the accuracy
+    table, the fold's verdict) and stem.png (the heatmap) beside the run's stem.json; returns
+    the three paths."""
     said = verdict(run.records)
     page = [
         f"# {title}",
         "",
         *provenance_lines(prov),
         f"- {methods_line(run.settings)}",
+        *(sources or []),
         "",
         "string_match_all (0-100) per task, method and context length, over depths "
         f"{list(run.settings.depths)}:",

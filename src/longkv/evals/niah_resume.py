@@ -80,3 +80,18 @@ def reusable_records(path: Path, s: NiahSettings) -> tuple[list[NiahRecord], dic
         "cannot be reused",
     )
     return records, data.get("provenance", {})
+
+
+def reused_answers(paths: tuple[str, ...], s: NiahSettings) -> tuple[list[NiahRecord], list[str]]:
+    """The answers of every file in paths that this grid may take (`reusable_records`), and a
+    page line per file naming how many and the command that gave them."""
+    records: list[NiahRecord] = []
+    lines: list[str] = []
+    for path in paths:
+        taken, source = reusable_records(Path(path), s)
+        records += taken
+        lines.append(
+            f"- {len(taken)} needle answers from `{source.get('command')}` "
+            f"(commit `{source.get('commit')}`)"
+        )
+    return records, lines
