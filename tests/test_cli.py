@@ -21,7 +21,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
 
 from conftest import over_tokenizer, tiny_hf_config
-from longkv.bench.bounded import FATES, fate_rows
+from longkv.bench.bounded import FATES, fate_rows, route_rows
 from longkv.bench.kvm import BenchSettings
 from longkv.bench.train import TrainBenchSettings
 from longkv.cli import common
@@ -368,8 +368,13 @@ def test_bounded_compares_every_bounded_run_on_one_page(
     fates = [r["needle_fate"] for r in saved["niah"]["records"] if r["needle_fate"]]
     assert len(fates) == 4 and all(abs(sum(f[k] for k in FATES) - 1) < 1e-9 for f in fates)
     page = (tmp_path / "b.md").read_text()
-    for text in ("| kvm-fold/sqrt@128 |", "### Peak memory against length", "tokens per founded"):
+    for text in ("| kvm-fold/sqrt@128 |", "### Peak memory against length", "tokens per founded",
+                 "### The cache after the read against length"):  # fmt: skip
         assert text in page
+    cache = page.split("### The cache after the read against length")[1].split("##")[0]
+    # a bounded cache holds its budget at 100 and at 200 tokens; full attention twice as much
+    assert "| streaming@64 |" in cache and "| 1.00 |" in cache.split("| streaming@64 |")[1]
+    assert "| 2.00 |" in cache.split("| full |")[1].split("\n")[0]
     assert "- 4 needle answers from `longkv niah --model" in page
 
 
@@ -382,6 +387,24 @@ def test_the_fate_table_sizes_founded_slots_only_where_the_answer_founded_some()
     rows = fate_rows([record("k", 0.0, 0.5, 3.0), record("k", 0.0, 0.0, 0.0)])
     assert rows[2] == "| k | no | 2 | 0.0 % | 25.0 % | 75.0 % | 0.0 % | 3.0 |"
     assert fate_rows([record("k", 1.0, 0.0, 0.0)])[2].endswith("| 0.0 % | - |")
+
+
+def test_the_route_table_ranks_only_the_samples_whose_answer_left_the_window() -> None:
+    def record(score: float, route: dict[str, float]) -> NiahRecord:
+        return NiahRecord("t", 100, 0.5, 0, "k/open8", ["1"], "", [], score, 1.0, route)
+
+    rows = route_rows(
+        [
+            record(0.0, {"left": 1.0, "routed": 0.25, "slot_rank": 30.0}),
+            record(0.0, {"left": 0.5, "routed": 0.75, "slot_rank": 3.0}),
+            record(0.0, {"left": 0.0}),  # every answer token still in the window
+            record(1.0, {"left": 0.0}),
+        ]
+    )
+    assert rows[2:] == [
+        "| k/open8 | no | 3 | 50.0 % | 50.0 % | 30 |",
+        "| k/open8 | yes | 1 | 0.0 % | - | - |",
+    ]
 
 
 def test_niah_with_fold_and_full_says_whether_they_agree(

@@ -44,20 +44,23 @@ def bounded_nll(
     return reports
 
 
-def memory_rows(nll: dict[str, Any]) -> list[str]:
-    """Markdown: peak memory of each method at each length, and longest / shortest."""
+def memory_rows(
+    nll: dict[str, Any], key: str = "peak_memory_bytes", what: str = "peak"
+) -> list[str]:
+    """Markdown: bytes `key` of each method's run (`MethodRun`) at each length in MiB, and
+    longest / shortest; `what` names them in the header."""
     lengths = sorted(nll, key=int)
-    peaks: dict[str, list[int | None]] = {}
+    values: dict[str, list[int | None]] = {}
     for n in lengths:
         for r in nll[n]["runs"]:
-            peaks.setdefault(r["method"], []).append(r["peak_memory_bytes"])
+            values.setdefault(r["method"], []).append(r.get(key))
     rows = []
-    for method, values in peaks.items():
-        shown = ["n/a" if v is None else f"{v / 2**20:.0f}" for v in values]
-        first, last = values[0], values[-1]
+    for method, held in values.items():
+        shown = ["n/a" if v is None else f"{v / 2**20:.1f}" for v in held]
+        first, last = held[0], held[-1]
         ratio = "n/a" if not first or last is None else f"{last / first:.2f}"
         rows.append([method, *shown, ratio])
-    header = ["method", *(f"peak MiB at {n}" for n in lengths), f"{lengths[-1]} / {lengths[0]}"]
+    header = ["method", *(f"{what} MiB at {n}" for n in lengths), f"{lengths[-1]} / {lengths[0]}"]
     return markdown_table(header, rows, "<" + ">" * (len(lengths) + 1))
 
 
@@ -79,6 +82,28 @@ def fate_rows(records: list[NiahRecord]) -> list[str]:
     return markdown_table(header, rows, "<<>" + ">" * (len(FATES) + 1))
 
 
+def route_rows(records: list[NiahRecord]) -> list[str]:
+    """Markdown: how two-level KVM-Fold's last prompt query routed to the answer's tokens
+    (`TwoLevelRunner.needle_route`), over the samples each run answered right and those it
+    missed: the share that had left the window, of those the share routed, and the median of
+    their slots' median ranks."""
+    groups: dict[tuple[str, bool], list[dict[str, float]]] = {}
+    for r in records:
+        if r.needle_fate is not None and "left" in r.needle_fate:
+            groups.setdefault((r.method, r.score == 1.0), []).append(r.needle_fate)
+    rows = []
+    for (method, right), routes in sorted(groups.items()):
+        left = sum(x["left"] for x in routes) / len(routes)
+        gone = [x for x in routes if "routed" in x]  # some answer tokens had left the window
+        routed = f"{100 * sum(x['routed'] for x in gone) / len(gone):.1f} %" if gone else "-"
+        ranks = sorted(x["slot_rank"] for x in gone)
+        rank = f"{ranks[len(ranks) // 2]:g}" if ranks else "-"
+        rows.append([method, "yes" if right else "no", str(len(routes)), f"{100 * left:.1f} %",
+                     routed, rank])  # fmt: skip
+    header = ["method", "answered", "samples", "left the window", "routed", "slot rank"]
+    return markdown_table(header, rows, "<<>>>>")
+
+
 def write_bounded_page(
     stem: Path, title: str, payload: dict[str, Any], reports: dict[str, dict[str, Any]],
     niah: NiahRun, text: str, sources: list[str],
@@ -97,6 +122,10 @@ def write_bounded_page(
     for n in sorted(reports, key=int):
         body += ["", f"### {n} tokens", "", *markdown_rows(reports[n])]
     body += ["", "### Peak memory against length", "", *memory_rows(reports)]
+    body += ["", "### The cache after the read against length", ""]
+    body += ["The bounded part of a bounded cache (two-level KVM-Fold's leaves apart); full "
+             "attention's every key and value.", ""]  # fmt: skip
+    body += memory_rows(reports, "cache_bytes", "cache")
     body += ["", "## Needles", "", "string_match_all (0-100) per task, method and length:", ""]
     body += [accuracy_table(niah), f"![heatmap]({stem.name}.png)", ""]
     body += [f"![accuracy against budget]({stem.name}_budget.png)"]
@@ -111,6 +140,18 @@ def write_bounded_page(
             "how many tokens the slots they founded hold by the end.",
             "",
             *fates,
+        ]
+    routes = route_rows(niah.records)
+    if len(routes) > 2:
+        body += [
+            "",
+            "## How two-level KVM-Fold routed to the needles' answer tokens",
+            "",
+            "At the prompt's last query (the one that predicts the answer), over layers and query "
+            "heads: the share of the answer's tokens that had left the window, of those the share "
+            "whose slot the head opened, and the median rank of their slots (0: the head's best).",
+            "",
+            *routes,
         ]
     paths = write_report(stem, title, payload, body)
     heatmap(niah, stem.with_suffix(".png"))
