@@ -44,10 +44,14 @@ def open_slots(q: Tensor, slot_k: Tensor, count: Tensor, k_open: int, scale: flo
     heads share their KV head's slots); count (B, Hkv, S) tokens per slot. Returns (B, H, T, S)
     bool, exactly min(k_open, S) True per query head; ties go to the earlier slot.
     """
-    k = min(k_open, slot_k.shape[2])
+    return top_slots(slot_logits(q, slot_k, count, scale), k_open)
+
+
+def top_slots(rank: Tensor, k_open: int) -> Tensor:
+    """(..., S) bool: the k_open highest of the scores rank (..., S), the earlier on ties."""
+    k = min(k_open, rank.shape[-1])
     if k == 0:
-        return torch.zeros(*q.shape[:3], slot_k.shape[2], dtype=torch.bool, device=q.device)
-    rank = slot_logits(q, slot_k, count, scale)  # (B, H, T, S)
+        return torch.zeros_like(rank, dtype=torch.bool)
     kth = rank.topk(k, dim=-1).values[..., -1:]  # each query head's k-th highest score
     above, tied = rank > kth, rank == kth
     room = k - above.sum(-1, keepdim=True)  # how many of the tied slots still open
@@ -212,9 +216,9 @@ class TwoLevelRunner(KVMFoldRunner):
 
         def entries(q: Tensor, keys: Tensor, values: Tensor, scale: float) -> RouteResult:
             count = state.count.to(q.dtype)
-            slot_k = keys[:, :, sinks : sinks + S]
-            opened = open_slots(q, slot_k, count, self.config.open, scale)
-            self.last_scores[layer] = slot_logits(q[:, :, -1:], slot_k, count, scale)[:, :, 0]
+            rank = slot_logits(q, keys[:, :, sinks : sinks + S], count, scale)  # (B, H, L, S)
+            opened = top_slots(rank, self.config.open)
+            self.last_scores[layer] = rank[:, :, -1]
             window = keys.shape[2] - sinks - S
             self.tally(attended_entries(opened, count, sinks, window))
             B, Hkv = count.shape[:2]
