@@ -24,6 +24,7 @@ from longkv.caches.bounded import (
 )
 from longkv.caches.eviction import SnapKVConfig, SnapKVRunner
 from longkv.caches.kvm_fold import STATES, KVMFoldConfig, KVMFoldRunner
+from longkv.caches.leaves import LEAF_STORES
 from longkv.caches.streaming import StreamingRunner
 from longkv.caches.two_level import TwoLevelRunner
 from longkv.checks import mirror, refused_as, require, require_at_least, setting
@@ -69,9 +70,20 @@ class BoundedOptions:
         "coarse state alone)",
         feeds=(KVMFoldConfig, "open"),
     )
-    kvm_leaves: str = mirror(KVMFoldConfig, "leaves", "kvm-fold: ")
+    kvm_leaves: tuple[str, ...] = setting(
+        ("exact",),
+        "kvm-fold: two-level KVM-Fold: the stores of the tokens that left the window, each run "
+        "once (exact, int8 or file: KVMFoldConfig.leaves)",
+        choices=LEAF_STORES,
+        feeds=(KVMFoldConfig, "leaves"),
+    )
     kvm_slot_key: str = mirror(KVMFoldConfig, "slot_key", "kvm-fold: ")
     kvm_leaf_dir: str | None = mirror(KVMFoldConfig, "leaf_dir", "kvm-fold: ")
+    only: tuple[str, ...] = setting(
+        (),
+        "run only these of the runs the other options make, by label (full, streaming@1024, "
+        "kvm-fold/fixed/open8/int8@1024, ...; default: all of them)",
+    )
 
     def bounded_configs(self, methods: tuple[str, ...]) -> dict[str, BoundedConfig]:
         """The config of every bounded run of `methods`, by label; a bad option is refused,
@@ -101,13 +113,24 @@ class BoundedOptions:
                 )
             for state in self.kvm_states if "kvm-fold" in methods else ():
                 for k in self.kvm_open:
-                    configs[f"kvm-fold/{state}{self.two_level_tag(k)}@{budget}"] = KVMFoldConfig(
-                        budget=budget, sinks=self.sinks, window=self.window, state=state,
-                        growth_factor=self.kvm_growth_factor, readout=self.kvm_readout,
-                        count_bias=self.kvm_count_bias, merge_threshold=self.kvm_merge_threshold,
-                        open=k, leaves=self.kvm_leaves, leaf_dir=self.kvm_leaf_dir,
-                        slot_key=self.kvm_slot_key if k else "rotated",  # coarse: not read
-                    )  # fmt: skip
+                    for leaves in self.kvm_leaves if k else ("exact",):  # coarse: no leaves
+                        label = f"kvm-fold/{state}{self.two_level_tag(k, leaves)}@{budget}"
+                        configs[label] = KVMFoldConfig(
+                            budget=budget, sinks=self.sinks, window=self.window, state=state,
+                            growth_factor=self.kvm_growth_factor, readout=self.kvm_readout,
+                            count_bias=self.kvm_count_bias,
+                            merge_threshold=self.kvm_merge_threshold, open=k, leaves=leaves,
+                            leaf_dir=self.kvm_leaf_dir,
+                            slot_key=self.kvm_slot_key if k else "rotated",  # coarse: not read
+                        )  # fmt: skip
+        known = [m for m in methods if m not in BOUNDED] + list(configs)
+        unknown = [label for label in self.only if label not in known]
+        require(
+            not unknown, self, "only",
+            f"{unknown} are not runs of these options, which make {known}",
+        )  # fmt: skip
+        if self.only:
+            configs = {label: c for label, c in configs.items() if label in self.only}
         for label, config in configs.items():
             require(
                 self.stream_chunk <= config.window_len,
@@ -117,12 +140,13 @@ class BoundedOptions:
             )
         return configs
 
-    def two_level_tag(self, k: int) -> str:
-        """The label part of a kvm-fold run opening k slots: "" (coarse), "/open8", with the
-        options that differ from the default after it: "/open8/int8/centred"."""
+    def two_level_tag(self, k: int, leaves: str) -> str:
+        """The label part of a kvm-fold run opening k slots with leaves stored as `leaves`: ""
+        (coarse), "/open8", with the options that differ from the default after it:
+        "/open8/int8/centred"."""
         if not k:
             return ""
-        options = [self.kvm_leaves] if self.kvm_leaves != "exact" else []
+        options = [leaves] if leaves != "exact" else []
         options += [self.kvm_slot_key] if self.kvm_slot_key != "rotated" else []
         return "/".join(["", f"open{k}", *options])
 
@@ -146,7 +170,7 @@ class BoundedOptions:
         for method in methods:
             if method in BOUNDED:
                 out += [label for label in bounded if method_of(label) == method]
-            else:
+            elif not self.only or method in self.only:
                 out.append(method)
         return out
 
