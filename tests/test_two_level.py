@@ -232,6 +232,87 @@ def test_only_keeps_the_named_runs_and_refuses_a_label_the_options_do_not_make()
         wrong.labels(("kvm-fold",))
 
 
+@pytest.mark.parametrize("slot_key", ["rotated", "centred"])
+def test_a_slots_key_is_its_tokens_mean_rotated_key_or_their_centred_mean(slot_key: str) -> None:
+    """Against the leaves, per slot in float64: the mean of the rotated keys it owns, or the
+    mean of their un-rotated keys rotated at their mean position (leaf j is token 2 + j)."""
+    from longkv.attention.rope import angles_at, rotate
+
+    model, ids = tiny_hf("llama", torch.float64), ids_of()
+    config = KVMFoldConfig(budget=26, sinks=2, window=16, open=2, slot_key=slot_key)
+    runner = make_runner(model, config)
+    assert isinstance(runner, TwoLevelRunner)
+    bounded_fold(runner, ids, 8)
+    leaves = runner.leaves[1]
+    assert leaves is not None
+    keys, _, owner, _ = leaves.gather(None, torch.float64)
+    positions = torch.arange(2, 2 + len(leaves), dtype=torch.float64)
+    cos, sin = angles_at(-positions, runner.inv_freq)
+    plain = rotate(keys, cos, sin)  # the leaves' un-rotated keys
+    got = runner.middle(1)[0]
+    S = got.shape[2]
+    for b in range(2):
+        for h in range(keys.shape[1]):
+            for slot in range(S):
+                mine = owner[b, h] == slot
+                if slot_key == "rotated":
+                    want = keys[b, h, mine].mean(0)
+                else:
+                    c, s_ = angles_at(positions[mine].mean().view(1), runner.inv_freq)
+                    want = rotate(plain[b, h, mine].mean(0, keepdim=True), c, s_)[0]
+                torch.testing.assert_close(got[b, h, slot], want, rtol=0, atol=TOL)
+
+
+def test_centred_slot_keys_still_open_to_the_exact_fold() -> None:
+    model, ids = tiny_hf("qwen2"), ids_of()
+    exact = kv_fold(model, ids, ids.shape[1], return_logits=True).logits
+    config = KVMFoldConfig(budget=26, sinks=2, window=16, open=8, slot_key="centred")
+    run = bounded_fold(make_runner(model, config), ids, 7, return_logits=True).logits
+    assert run is not None and exact is not None
+    assert (run - exact).abs().max().item() <= 1e-5
+    with pytest.raises(ValueError, match="slot_key: only two-level KVM-Fold"):
+        KVMFoldConfig(budget=26, sinks=2, window=16, slot_key="centred")
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_the_needle_route_ranks_each_leaving_tokens_slot_for_the_last_query(k: int) -> None:
+    """Against a per-token count: a token that left the window is routed by a query head when
+    fewer than k slots score above its slot (earlier slots first on ties); tokens still in the
+    window count in `left` only."""
+    model, ids = tiny_hf("llama", torch.float64), ids_of()
+    runner = make_runner(model, KVMFoldConfig(budget=26, sinks=2, window=16, open=k))
+    assert isinstance(runner, TwoLevelRunner)
+    bounded_fold(runner, ids, 8)
+    # the last chunk (88, 89) was read after a window of 74 .. 87: tokens 60 .. 73 had left it
+    start, stop = 60, 80
+    got = runner.needle_route(start, stop)
+    ranks = []
+    for scores, leaves in zip(runner.last_scores, runner.leaves, strict=True):
+        assert scores is not None and leaves is not None
+        groups = scores.shape[1] // leaves.owner.tensor.shape[1]
+        for b in range(2):
+            for h in range(scores.shape[1]):
+                order = sorted(range(scores.shape[2]), key=lambda i: (-float(scores[b, h, i]), i))
+                for p in range(start, min(stop, 2 + len(leaves))):
+                    slot = int(leaves.owner.tensor[b, h // groups, p - 2, 0])
+                    ranks.append(order.index(slot))
+    n_layers, H = len(runner.leaves), runner.last_scores[0].shape[1]
+    assert got["left"] == pytest.approx(len(ranks) / (20 * 2 * H * n_layers))
+    assert got["left"] == pytest.approx(14 / 20)
+    assert got["routed"] == pytest.approx(sum(r < k for r in ranks) / len(ranks))
+    assert got["slot_rank"] == float(torch.tensor(ranks, dtype=torch.float64).median())
+    assert runner.needle_route(80, 90) == {"left": 0.0}  # all still in the window
+
+
+def test_a_read_past_the_models_positions_is_refused_before_the_first_chunk() -> None:
+    model = tiny_hf("llama")  # 256 positions
+    runner = make_runner(model, KVMFoldConfig(budget=26, sinks=2, window=16, open=2))
+    ids = torch.randint(0, 64, (1, 250))
+    with pytest.raises(ValueError, match="take 259 positions and the model has max_position"):
+        bounded_generate(runner, ids, 8, 10)  # 250 read, 9 more to decode
+    assert runner.seen == 0
+
+
 def test_two_level_refuses_what_would_lose_a_leaf() -> None:
     with pytest.raises(ValueError, match="merge_threshold: two-level KVM-Fold keeps every"):
         KVMFoldConfig(budget=26, sinks=2, window=16, open=2, merge_threshold=0.5)
