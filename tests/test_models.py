@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +80,28 @@ def test_save_and_load_reproduce_the_logits(tmp_path: Path) -> None:
     loaded = unmapped(AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64).eval())
     assert isinstance(loaded, LongKVForCausalLM)
     assert torch.equal(run(loaded, ids, [0, T]), run(model, ids, [0, T]))
+
+
+def test_a_saved_model_loads_with_remote_code_in_a_process_that_never_imported_longkv(
+    tmp_path: Path,
+) -> None:
+    """config.json's auto_map and the two files beside the weights: transformers alone loads the
+    model with trust_remote_code=True (longkv installed), and without it says to pass it."""
+    tiny(["kvm", "swa"]).save_pretrained(tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_longkv.LongKVForCausalLM"
+    load = "from transformers import AutoModelForCausalLM as A; import sys; m = A.from_pretrained"
+    show = "print(type(m).__module__, type(m).__name__)"
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1"}
+
+    def python(code: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+
+    done = python(f"{load}({str(tmp_path / 'm')!r}, trust_remote_code=True); {show}")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["longkv.models.modeling", "LongKVForCausalLM"]
+    refused = python(f"{load}({str(tmp_path / 'm')!r})")
+    assert refused.returncode != 0 and "trust_remote_code=True" in refused.stderr
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,9 @@ unpadded (every row has the same tokens seen), so an attention mask may only hol
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -31,6 +33,7 @@ from longkv.data import IGNORE
 from longkv.kvm.layer import KVMAttention
 from longkv.kvm.state import KVMState
 from longkv.models.config import LongKVConfig
+from longkv.results import write_atomic
 from longkv.rwkv.layer import RWKV7
 from longkv.rwkv.state import RWKV7State
 
@@ -219,6 +222,20 @@ def check_positions(position_ids: Tensor | None, seen: int, T: int) -> None:
         )
 
 
+# What a saved longkv model holds beside its weights so that transformers loads it with
+# trust_remote_code=True in a process that never imported longkv (longkv must be installed):
+# config.json's auto_map names these two files, which take the classes from longkv itself.
+REMOTE_CODE = {
+    "configuration_longkv.py": "from longkv.models.config import LongKVConfig\n",
+    "modeling_longkv.py": "from longkv.models.modeling import LongKVForCausalLM, LongKVModel\n",
+}
+AUTO_MAP = {
+    "AutoConfig": "configuration_longkv.LongKVConfig",
+    "AutoModel": "modeling_longkv.LongKVModel",
+    "AutoModelForCausalLM": "modeling_longkv.LongKVForCausalLM",
+}
+
+
 class LongKVPreTrainedModel(PreTrainedModel):
     """Weight init and the transformers class attributes shared by the longkv models."""
 
@@ -230,6 +247,15 @@ class LongKVPreTrainedModel(PreTrainedModel):
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, nn.Linear | nn.Embedding):
             nn.init.normal_(module.weight, std=0.02)
+
+    def save_pretrained(self, save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
+        """transformers' save_pretrained, with config.json's auto_map and the two files it names
+        (`REMOTE_CODE`): the folder then loads with `trust_remote_code=True` anywhere longkv is
+        installed, as well as after `import longkv.models`."""
+        self.config.auto_map = dict(AUTO_MAP)
+        super().save_pretrained(save_directory, *args, **kwargs)
+        for name, text in REMOTE_CODE.items():
+            write_atomic(Path(save_directory) / name, text)
 
 
 class LongKVModel(LongKVPreTrainedModel):
