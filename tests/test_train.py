@@ -134,6 +134,14 @@ def test_the_progress_bar_shows_the_losses(
     assert re.search(r"6/6 \[[^]]*" + re.escape(shown), bar)  # the finished bar
 
 
+def test_held_out_rows_short_of_a_batch_are_refused_before_the_first_step(tmp_path: Path) -> None:
+    with pytest.raises(
+        ValueError, match=r"held-out rows: 3 do not fill one batch of 4.*train\.batch_size="
+    ):
+        train(CONFIG, replace(CFG, batch_size=4), ROWS, ROWS[:3], tmp_path / "a")
+    assert not (tmp_path / "a").exists()  # nothing trained, nothing written
+
+
 def test_schedule_and_batches() -> None:
     assert [round(lr_factor(s, 2, 6), 3) for s in range(6)] == [0.5, 1.0, 1.0, 0.75, 0.5, 0.25]
     a, b = batch_rows(0, 64, 8, 0), batch_rows(8, 64, 8, 0)  # step 8 starts epoch 1

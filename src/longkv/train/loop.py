@@ -335,6 +335,7 @@ def train(
     s being cfg.lr * lr_factor(s, cfg.warmup, cfg.steps) whatever steps the checkpoint's run
     had. stop_after simulates an interruption. Ctrl-C during the steps raises Interrupted.
     """
+    check_held_out(held_out_rows, cfg.batch_size)  # before the first step, not at the first eval
     out = Path(out_dir)
     run = _start(model_config, cfg, out, dtype)
     settings = run_settings(model_config, cfg, data)
@@ -400,6 +401,15 @@ def _mean_over_ranks(value: Tensor, size: int) -> float:
     return float(value)
 
 
+def check_held_out(rows: TrainingRows, batch_size: int) -> None:
+    """ValueError unless the held-out rows fill one batch, in the run file's terms."""
+    if len(rows) < batch_size:
+        raise ValueError(
+            f"held-out rows: {len(rows)} do not fill one batch of {batch_size}; hold out more "
+            "documents (data.every=) or lower train.batch_size="
+        )
+
+
 @torch.no_grad()
 def evaluate(net: nn.Module, rows: TrainingRows, batches: int, batch_size: int) -> float:
     """Mean next-token loss over the first `batches` full batches of held-out rows (N, L + 1)
@@ -409,12 +419,8 @@ def evaluate(net: nn.Module, rows: TrainingRows, batches: int, batch_size: int) 
     average, so the result does not depend on the number of processes.
     """
     rank, size = world()
+    check_held_out(rows, batch_size)
     n = min(batches, len(rows) // batch_size)
-    if n < 1:
-        raise ValueError(
-            f"held-out rows: {len(rows)} do not fill one batch of {batch_size}; hold out more "
-            "documents (data.every) or use a smaller batch_size"
-        )
     local = batch_size // size
     device = next(net.parameters()).device
     losses = []
