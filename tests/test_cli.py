@@ -602,3 +602,34 @@ def test_an_interrupted_drift_grid_resumes_and_a_grown_one_runs_only_what_is_new
         del calls[:]
         assert main([*base, "--variants", "exact"]) == 0
         assert calls == runs
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["niah"], "the answers given so far are in the result file; resume with: longkv niah"),
+        (["bounded"], "(.nll.json, .niah.json); resume with: longkv bounded"),
+        (["drift"], "the finished folds are beside the page (.runs.json); resume with: longkv"),
+        (["fold"], "nothing kept; rerun: longkv fold"),
+        (["bench", "kvm"], "nothing kept; rerun: longkv bench kvm"),
+        (["bench", "train"], "nothing kept; rerun: longkv bench train"),
+        (
+            ["eval-loss", "--config", "r.yaml"],
+            "nothing kept; rerun: longkv eval-loss --config r.yaml",
+        ),
+    ],
+)
+def test_ctrl_c_in_a_command_prints_one_line_with_what_was_kept_and_the_command(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    argv: list[str],
+    said: str,
+) -> None:
+    def interrupted(args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("longkv.cli.main.build_settings", interrupted)  # Ctrl-C as it starts
+    assert main(argv) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"longkv {argv[0]}: interrupted; "), err
+    assert said in err[0]

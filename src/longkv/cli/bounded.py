@@ -41,7 +41,11 @@ class BoundedStudyOptions:
 
 def configure(name: str, parser: argparse.ArgumentParser) -> None:
     """The options of `bounded`."""
-    command(parser, run, ModelOptions, BoundedStudyOptions, NiahSettings)
+    command(
+        parser, run, ModelOptions, BoundedStudyOptions, NiahSettings,
+        kept="the finished NLL lengths and needle answers are beside the page (.nll.json, "
+        ".niah.json)",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:

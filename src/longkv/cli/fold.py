@@ -85,7 +85,10 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
     if name == "fold":
         command(parser, run_fold, ModelOptions, FoldOptions)
     else:
-        command(parser, run_drift, ModelOptions, DriftOptions)
+        command(
+            parser, run_drift, ModelOptions, DriftOptions,
+            kept="the finished folds are beside the page (.runs.json)",
+        )  # fmt: skip
 
 
 def run_fold(args: argparse.Namespace, argv: list[str]) -> int:

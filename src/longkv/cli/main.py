@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import shlex
 import sys
 
 from longkv.checks import SettingError
@@ -66,7 +67,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse argv (default sys.argv[1:]) and run the chosen command; 2 on bad input."""
+    """Parse argv (default sys.argv[1:]) and run the chosen command; 2 on bad input, 130 after
+    Ctrl-C (train and study say where their run stands themselves)."""
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv[0] if argv and argv[0] in COMMANDS else None).parse_args(argv)
     try:
@@ -79,6 +81,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as err:  # OSError: FileNotFoundError, a model not found
         print(f"longkv: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # one line: what was kept, and the command that goes on
+        again = shlex.join(["longkv", *argv])
+        kept = getattr(args, "kept", None)
+        said = f"{kept}; resume with: {again}" if kept else f"nothing kept; rerun: {again}"
+        print(f"longkv {args.command}: interrupted; {said}", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -30,7 +30,10 @@ class NiahOptions:
 
 def configure(name: str, parser: argparse.ArgumentParser) -> None:
     """The options of `niah`; its defaults are the short demonstration `make run` shows."""
-    command(parser, run, ModelOptions, NiahOptions, NiahSettings)
+    command(
+        parser, run, ModelOptions, NiahOptions, NiahSettings,
+        kept="the answers given so far are in the result file",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
