@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from longkv.data.corpus import BUNDLED_CORPUS, read_text
-from longkv.fold import FoldRunner, fold_generate, greedy_decode, kv_fold
+from longkv.fold import FoldRunner, continue_decode, fold_generate, kv_fold
 from longkv.models.pretrained import load_pretrained
 
 pytestmark = pytest.mark.smollm2
@@ -57,5 +57,5 @@ def test_generation_from_a_folded_cache_equals_full_context(
     full = FoldRunner(model)  # one pass over the whole prompt
     with torch.inference_mode():
         logits = full.forward(prompt)[:, -1]
-    ref = greedy_decode(full.forward, logits, 16)
+    ref = continue_decode(full.forward, logits, 16)
     assert torch.equal(fold_generate(model, prompt, 128, 16), ref)

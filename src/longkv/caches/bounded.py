@@ -26,10 +26,11 @@ from transformers import DynamicCache
 from longkv.attention.rope import angles_at, rotate
 from longkv.attention.state import tensor_bytes
 from longkv.checks import refuse, require, setting
+from longkv.decoding import Pick, greedy
 from longkv.fold import compat
 from longkv.fold.attention import AttentionHooks, hooked
 from longkv.fold.fold import FoldResult, check_input, score_chunks
-from longkv.fold.generate import greedy_decode
+from longkv.fold.generate import continue_decode
 
 STATIC_ROPE = {"default", "linear", "llama3", "yarn"}
 
@@ -357,11 +358,16 @@ def bounded_generate(
     eos_token_id: int | None = None,
     progress: bool = False,
     after_prompt: Callable[[], object] | None = None,
+    pick: Pick = greedy,
+    on_token: Callable[[Tensor], object] | None = None,
 ) -> Tensor:
-    """Read a prompt (B, T) through the runner, then greedy-decode (B, n) from its cache;
-    after_prompt is called between the two (to look at the runner as the prompt left it)."""
+    """Read a prompt (B, T) through the runner, then decode (B, n) from its cache, greedy
+    unless `pick` samples (`continue_decode`); after_prompt is called between the two (to look
+    at the runner as the prompt left it)."""
     runner.check_room(input_ids.shape[1] + max_new_tokens - 1)  # the last token is not read
     run = bounded_fold(runner, input_ids, chunk_size, progress=progress)
     if after_prompt is not None:
         after_prompt()
-    return greedy_decode(runner.forward, run.last_logits, max_new_tokens, eos_token_id)
+    return continue_decode(
+        runner.forward, run.last_logits, max_new_tokens, eos_token_id, pick=pick, on_token=on_token
+    )

@@ -4,7 +4,7 @@ cache, and drift against one full forward. The bounded caches of such models are
 `longkv.caches`."""
 
 from longkv.fold.fold import FoldResult, FoldRunner, check_foldable, kv_fold
-from longkv.fold.generate import fold_generate, greedy_decode
+from longkv.fold.generate import continue_decode, fold_generate
 from longkv.vml import warm_up_vml
 
 warm_up_vml()  # before any threaded VML call: see longkv.vml
@@ -13,7 +13,7 @@ __all__ = [
     "FoldResult",
     "FoldRunner",
     "check_foldable",
+    "continue_decode",
     "fold_generate",
-    "greedy_decode",
     "kv_fold",
 ]

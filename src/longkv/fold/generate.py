@@ -1,24 +1,34 @@
-"""Greedy decoding from a cache: after a fold, the context is never run again."""
+"""Decoding from a cache (greedy, or sampled): after a fold, the context is never run again."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch import Tensor, nn
 
-from longkv.decoding import decode
+from longkv.decoding import Pick, decode, greedy
 from longkv.fold.fold import FoldRunner, Forward, kv_fold
 
 
-def greedy_decode(
-    forward: Forward, logits: Tensor, max_new_tokens: int, eos_token_id: int | None = None
+def continue_decode(
+    forward: Forward,
+    logits: Tensor,
+    max_new_tokens: int,
+    eos_token_id: int | None = None,
+    *,
+    pick: Pick = greedy,
+    on_token: Callable[[Tensor], object] | None = None,
 ) -> Tensor:
-    """Greedy tokens (B, n <= max_new_tokens) continuing whatever `forward` carries.
+    """Tokens (B, n <= max_new_tokens) continuing whatever `forward` carries, greedy unless
+    `pick` samples; on_token sees each step's tokens (B,) as they come.
 
     logits: (B, V) after the last token fed; forward: ids (B, 1) -> logits (B, 1, V); eos as in
     `longkv.decoding.decode`.
     """
     return decode(
-        lambda ids: forward(ids)[:, -1], logits, max_new_tokens, eos_token_id=eos_token_id
-    )
+        lambda ids: forward(ids)[:, -1], logits, max_new_tokens, eos_token_id=eos_token_id,
+        pick=pick, on_token=on_token,
+    )  # fmt: skip
 
 
 def fold_generate(
@@ -32,8 +42,11 @@ def fold_generate(
     allow_extrapolation: bool = False,
     variant: str = "exact",
     progress: bool = False,
+    pick: Pick = greedy,
+    on_token: Callable[[Tensor], object] | None = None,
 ) -> Tensor:
-    """Fold a prompt (B, T) (long context, then the question), then greedy-decode (B, n).
+    """Fold a prompt (B, T) (long context, then the question), then decode (B, n), greedy
+    unless `pick` samples (`continue_decode`).
 
     variant: as for `kv_fold`; decoding runs under it too (no prefix is inserted while
     decoding, 'restart' goes on counting positions mod chunk_size)."""
@@ -50,4 +63,6 @@ def fold_generate(
     runner = FoldRunner(
         model, fold.cache, fold.next_position, variant=variant, chunk_size=chunk_size
     )
-    return greedy_decode(runner.forward, fold.last_logits, max_new_tokens, eos_token_id)
+    return continue_decode(
+        runner.forward, fold.last_logits, max_new_tokens, eos_token_id, pick=pick, on_token=on_token
+    )
