@@ -633,3 +633,124 @@ def test_ctrl_c_in_a_command_prints_one_line_with_what_was_kept_and_the_command(
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"longkv {argv[0]}: interrupted; "), err
     assert said in err[0]
+
+
+def ask_argv(model: str, doc: Path, *extra: str) -> list[str]:
+    return [
+        "ask", "--model", model, "--file", str(doc), "--question", "What is the word?",
+        "--max-new-tokens", "6", *extra,
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "how",
+    [
+        ["--method", "fold", "--chunk-size", "64"],
+        ["--method", "kvm-fold", "--budgets", "64", "--window", "32", "--stream-chunk", "16"],
+        [
+            "--method",
+            "kvm-fold",
+            "--budgets",
+            "64",
+            "--window",
+            "32",
+            "--kvm-open",
+            "4",
+            "--stream-chunk",
+            "16",
+        ],
+    ],
+)
+def test_ask_answers_a_document_as_its_method_decodes_it(
+    tiny_model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], how: list[str]
+) -> None:
+    """The printed answer is the greedy answer of the method read the same prompt: the
+    document, then the question (GPT-2's tokenizer has no chat template)."""
+    from longkv.caches.methods import make_runner, read_and_answer
+    from longkv.cli.ask import AskOptions, prompt_ids
+    from longkv.models.pretrained import load_pretrained
+
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The word is heliotrope. " * 30)
+    assert main(ask_argv(tiny_model, doc, *how)) == 0
+    printed = capsys.readouterr().out
+    model, tokenizer = load_pretrained(tiny_model, torch.float32)
+    ids = prompt_ids(tokenizer, doc.read_text(), "What is the word?")
+    assert tokenizer.decode(ids).endswith("heliotrope. \n\nQuestion: What is the word?\nAnswer:")
+    flags = {a.lstrip("-").replace("-", "_"): a for a in how if a.startswith("--")}
+    values = dict(zip(flags, [how[how.index(f) + 1] for f in flags.values()], strict=True))
+    o = AskOptions(
+        file=str(doc), question="q", method=values["method"],
+        chunk_size=int(values.get("chunk_size", 1024)),
+        budgets=(int(values.get("budgets", 1024)),),
+        window=int(values["window"]) if "window" in values else None,
+        stream_chunk=int(values.get("stream_chunk", 64)),
+        kvm_open=(int(values.get("kvm_open", 0)),),
+    )  # fmt: skip
+    configs = o.bounded_configs((o.method,))
+    runner = make_runner(model, next(iter(configs.values()))) if configs else None
+    eos = tokenizer.eos_token_id
+    out = read_and_answer(
+        model, torch.tensor([ids]), o.method, 6, runner=runner, chunk_size=o.chunk_size,
+        stream_chunk=o.stream_chunk, eos_token_id=eos,
+    )[0].tolist()  # fmt: skip
+    answer = out[: out.index(eos)] if eos in out else out
+    assert printed == tokenizer.decode(answer, skip_special_tokens=True) + "\n"
+
+
+def test_ask_reads_stdin_and_uses_a_chat_template_when_the_tokenizer_has_one(
+    tiny_model: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import io
+
+    from longkv.cli.ask import prompt_ids
+    from longkv.models.pretrained import load_pretrained
+
+    _, tokenizer = load_pretrained(tiny_model, torch.float32)
+    tokenizer.chat_template = "{% for m in messages %}<user>{{ m['content'] }}{% endfor %}<bot>"
+    ids = prompt_ids(tokenizer, "a doc", "a question?")
+    assert tokenizer.decode(ids) == "<user>a doc\n\na question?<bot>"
+    assert (
+        prompt_ids(tokenizer, "a doc", "q?", chat=False)
+        == tokenizer("a doc\n\nQuestion: q?\nAnswer:")["input_ids"]
+    )
+    monkeypatch.setattr("sys.stdin", io.StringIO("The word is moss."))
+    assert main(ask_argv(tiny_model, Path("-"), "--method", "full")) == 0
+    assert capsys.readouterr().out.endswith("\n")
+
+
+@pytest.mark.parametrize(
+    ("extra", "said"),
+    [
+        (["--method", "full"], "argument --file: "),  # 600 words > 512 positions
+        (
+            ["--method", "kvm-fold", "--budgets", "64", "128", "--stream-chunk", "16"],
+            "argument --budgets: ask reads",
+        ),
+        (
+            [
+                "--method",
+                "kvm-fold",
+                "--budgets",
+                "64",
+                "--kvm-open",
+                "4",
+                "--window",
+                "32",
+                "--stream-chunk",
+                "16",
+            ],
+            "argument --file: ",
+        ),
+        (["--sample", "--top-p", "0"], "argument --top-p: must lie in (0, 1]"),
+    ],
+)
+def test_ask_refuses_before_reading_what_it_cannot_read(
+    tiny_model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str],
+    said: str,
+) -> None:  # fmt: skip
+    doc = tmp_path / "doc.txt"
+    doc.write_text("word " * 600)
+    assert main(ask_argv(tiny_model, doc, *extra)) == 2
+    err = capsys.readouterr().err
+    assert said in err and "Traceback" not in err, err

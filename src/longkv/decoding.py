@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from longkv.checks import require
+
 Step = Callable[[Tensor], Tensor]  # next ids (B, 1) -> logits (B, V) after them
 Pick = Callable[[Tensor], Tensor]  # logits (B, V) -> the next ids (B,)
 
@@ -31,12 +33,12 @@ class Sampler:
     generator: torch.Generator | None = None
 
     def __post_init__(self) -> None:
-        if not self.temperature > 0:
-            raise ValueError(f"temperature: must be > 0, got {self.temperature}")
-        if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"top_k: must be >= 1 (or None: all), got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p: must lie in (0, 1], got {self.top_p}")
+        require(self.temperature > 0, self, "temperature", f"must be > 0, got {self.temperature}")
+        require(
+            self.top_k is None or self.top_k >= 1, self, "top_k",
+            f"must be >= 1 (or None: all), got {self.top_k}",
+        )  # fmt: skip
+        require(0 < self.top_p <= 1, self, "top_p", f"must lie in (0, 1], got {self.top_p}")
 
     def __call__(self, logits: Tensor) -> Tensor:
         """The next ids (B,), drawn from `probs`."""

@@ -11,6 +11,7 @@ outside the budget.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import Tensor, nn
@@ -19,6 +20,7 @@ from longkv.caches.bounded import (
     BoundedConfig,
     BoundedRunner,
     bounded_fold,
+    bounded_generate,
     check_bounded,
     check_budget,
 )
@@ -28,7 +30,9 @@ from longkv.caches.leaves import LEAF_STORES
 from longkv.caches.streaming import StreamingRunner
 from longkv.caches.two_level import TwoLevelRunner
 from longkv.checks import mirror, refused_as, require, require_at_least, setting
+from longkv.decoding import Pick, greedy
 from longkv.fold.fold import FoldResult
+from longkv.fold.generate import fold_generate
 
 BOUNDED = ("streaming", "snapkv", "kvm-fold")
 # how a frozen model holds a long input's keys and values
@@ -212,6 +216,42 @@ def run_bounded(
     return bounded_fold(
         runner, input_ids, chunk_size, return_logits=return_logits, progress=progress
     )
+
+
+def read_and_answer(
+    model: nn.Module,
+    ids: Tensor,
+    method: str,
+    max_new_tokens: int,
+    *,
+    runner: BoundedRunner | None = None,
+    chunk_size: int = 1024,
+    variant: str = "exact",
+    stream_chunk: int = 64,
+    eos_token_id: int | None = None,
+    allow_extrapolation: bool = False,
+    pick: Pick = greedy,
+    on_token: Callable[[Tensor], object] | None = None,
+    after_prompt: Callable[[], object] | None = None,
+) -> Tensor:
+    """Read a prompt ids (B, T) by one method and decode (B, n) from what it keeps: `full` (one
+    forward), `fold` (chunks of chunk_size, `variant`) or a bounded method through `runner`
+    (`make_runner`; chunks of stream_chunk; after_prompt is called once the prompt is read).
+    Decoding is greedy unless `pick` samples; on_token sees each step's tokens as they come;
+    a chunked read shows its progress."""
+    if method in ("full", "fold"):
+        size, variant = (ids.shape[1], "exact") if method == "full" else (chunk_size, variant)
+        return fold_generate(
+            model, ids, size, max_new_tokens, eos_token_id=eos_token_id,
+            allow_extrapolation=allow_extrapolation, variant=variant,
+            progress=method == "fold", pick=pick, on_token=on_token,
+        )  # fmt: skip
+    if runner is None:
+        raise ValueError(f"runner: {method} reads through a bounded runner; pass make_runner's")
+    return bounded_generate(
+        runner, ids, stream_chunk, max_new_tokens, eos_token_id=eos_token_id, progress=True,
+        after_prompt=after_prompt, pick=pick, on_token=on_token,
+    )  # fmt: skip
 
 
 def describe_runs(configs: dict[str, BoundedConfig]) -> str:

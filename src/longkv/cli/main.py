@@ -16,6 +16,11 @@ from longkv.cli.args import DECLARED, HelpFormatter, build_settings, declared
 
 # command -> (module that builds its parser with `configure(name, parser)`, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
+    "ask": (
+        "longkv.cli.ask",
+        "ask a question about a long document (a file or stdin), read by full attention, the "
+        "fold or a bounded cache; the answer printed as it comes",
+    ),
     "niah": (
         "longkv.cli.niah",
         "needle in a haystack: full, fold and bounded caches; JSON, table and heatmap",

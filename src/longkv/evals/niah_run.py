@@ -20,16 +20,14 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from longkv.caches.bounded import bounded_generate
 from longkv.caches.kvm_fold import KVMFoldRunner
-from longkv.caches.methods import make_runner
+from longkv.caches.methods import make_runner, read_and_answer
 from longkv.caches.two_level import TwoLevelRunner
 from longkv.checks import refuse, refused_as
 from longkv.evals.niah import ANSWER_BUDGET, NiahSample, answer_span, make_sample, sample_score
 from longkv.evals.niah_records import NiahRecord, NiahRun, NiahSettings
 from longkv.evals.niah_resume import saved_records
 from longkv.fold.fold import CLI_SWITCH, check_foldable, check_positions
-from longkv.fold.generate import fold_generate
 from longkv.fold.variants import check_variant, inserted_positions
 
 
@@ -50,26 +48,24 @@ def answer(
 
     allow_extrapolation lets full and fold run a RoPE model past its max_position_embeddings
     (`fold_generate`)."""
-    n, fate = s.max_new_tokens, None
-    if method in ("full", "fold"):
-        size, variant = (ids.shape[1], "exact") if method == "full" else (s.chunk_size, s.variant)
-        out = fold_generate(
-            model, ids, size, n, eos_token_id=eos, allow_extrapolation=allow_extrapolation,
-            variant=variant, progress=method == "fold",
-        )  # fmt: skip
-    else:
-        runner = make_runner(model, s.bounded_configs(s.methods)[method], track=True)
-        route: dict[str, float] = {}
+    fate: dict[str, float] | None = None
+    route: dict[str, float] = {}
+    bounded = method not in ("full", "fold")
+    runner = (
+        make_runner(model, s.bounded_configs(s.methods)[method], track=True) if bounded else None
+    )
 
-        def routed() -> None:  # how the prompt's last query routed to the answer
-            if isinstance(runner, TwoLevelRunner) and span is not None:
-                route.update(runner.needle_route(*span))
+    def routed() -> None:  # how the prompt's last query routed to the answer
+        if isinstance(runner, TwoLevelRunner) and span is not None:
+            route.update(runner.needle_route(*span))
 
-        out = bounded_generate(
-            runner, ids, s.stream_chunk, n, eos_token_id=eos, progress=True, after_prompt=routed
-        )
-        if isinstance(runner, KVMFoldRunner) and span is not None:
-            fate = {**runner.fates(*span), **route}
+    out = read_and_answer(
+        model, ids, method, s.max_new_tokens, runner=runner, chunk_size=s.chunk_size,
+        variant=s.variant, stream_chunk=s.stream_chunk, eos_token_id=eos,
+        allow_extrapolation=allow_extrapolation, after_prompt=routed,
+    )  # fmt: skip
+    if isinstance(runner, KVMFoldRunner) and span is not None:
+        fate = {**runner.fates(*span), **route}
     tokens = out[0].tolist()
     return tokens[: tokens.index(eos)] if eos is not None and eos in tokens else tokens, fate
 
