@@ -82,6 +82,17 @@ def test_save_and_load_reproduce_the_logits(tmp_path: Path) -> None:
     assert torch.equal(run(loaded, ids, [0, T]), run(model, ids, [0, T]))
 
 
+def test_a_saved_models_files_take_the_users_umask(tmp_path: Path) -> None:
+    before = os.umask(0o027)
+    try:
+        tiny(["kvm", "swa"]).save_pretrained(tmp_path / "m")
+    finally:
+        os.umask(before)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "m").iterdir()}
+    assert modes["model.safetensors"] == 0o640 and set(modes.values()) == {0o640}, modes
+    assert (tmp_path / "m").stat().st_mode & 0o777 == 0o750
+
+
 def test_a_saved_model_loads_with_remote_code_in_a_process_that_never_imported_longkv(
     tmp_path: Path,
 ) -> None:

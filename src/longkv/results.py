@@ -81,6 +81,16 @@ def replaced_atomically(path: Path) -> Iterator[Path]:
     tmp.replace(path)
 
 
+def follow_umask(path: Path) -> None:
+    """Give path (a folder: and everything in it) the mode the user's umask gives new files and
+    folders, where a writer left its temporary file's 0600 (transformers' safetensors writer,
+    tempfile's folders)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for item in [path, *path.rglob("*")] if path.is_dir() else [path]:
+        os.chmod(item, (0o777 if item.is_dir() else 0o666) & ~mask)
+
+
 def write_atomic(path: Path, text: str) -> None:
     """Write text to path through a temporary file and a rename."""
     with replaced_atomically(path) as tmp:

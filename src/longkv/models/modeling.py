@@ -33,7 +33,7 @@ from longkv.data import IGNORE
 from longkv.kvm.layer import KVMAttention
 from longkv.kvm.state import KVMState
 from longkv.models.config import LongKVConfig
-from longkv.results import write_atomic
+from longkv.results import follow_umask, write_atomic
 from longkv.rwkv.layer import RWKV7
 from longkv.rwkv.state import RWKV7State
 
@@ -251,11 +251,12 @@ class LongKVPreTrainedModel(PreTrainedModel):
     def save_pretrained(self, save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
         """transformers' save_pretrained, with config.json's auto_map and the two files it names
         (`REMOTE_CODE`): the folder then loads with `trust_remote_code=True` anywhere longkv is
-        installed, as well as after `import longkv.models`."""
+        installed, as well as after `import longkv.models`. Its files take the user's umask."""
         self.config.auto_map = dict(AUTO_MAP)
         super().save_pretrained(save_directory, *args, **kwargs)
         for name, text in REMOTE_CODE.items():
             write_atomic(Path(save_directory) / name, text)
+        follow_umask(Path(save_directory))
 
 
 class LongKVModel(LongKVPreTrainedModel):

