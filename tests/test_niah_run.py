@@ -35,6 +35,7 @@ def test_runner_answers_saves_and_resumes(tmp_path: Path) -> None:
     assert saved["fold_equals_full"] and len(saved["records"]) == 3
     assert saved["accuracy"]["niah_single_1/fold/1024"] == 100.0
     assert "| niah_single_1 | streaming@256 | 0.0 | 0.0 |" in accuracy_table(run)
+    assert "| task | method | 1024 tokens | mean |" in accuracy_table(run)
     # an interrupted grid (its last answer missing) resumes, keeping the answers it saved, also
     # from a file written before a setting (here `variant`) existed, if that setting is default
     saved["records"] = saved["records"][:2]
@@ -47,7 +48,7 @@ def test_runner_answers_saves_and_resumes(tmp_path: Path) -> None:
     # a finished grid is measured again, not replayed
     again = run_niah(model, tokenizer, settings, path)
     assert len(again.records) == 3 and again.records[0].seconds != resumed.records[0].seconds
-    heatmap(run, tmp_path / "niah.png")
+    heatmap(run, tmp_path / "niah.png", "longkv niah: smollm2, fp32")
     assert (tmp_path / "niah.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -82,3 +83,26 @@ def test_a_needle_outside_the_streaming_window_is_absent_from_its_cache(
     assert (needle <= kept) == inside and (needle & kept == set()) == (not inside)
     # the cache itself holds exactly those entries per layer
     assert all(layer.keys.shape[2] == 256 for layer in runner.cache.layers)
+
+
+def test_the_heatmap_names_model_and_method_with_labels_readable_on_their_cells(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from longkv.evals import niah_report
+    from longkv.evals.niah_records import NiahRecord, NiahRun
+
+    s = NiahSettings(tasks=("niah_single_1",), lengths=(1024, 2048), depths=(0.2, 0.8),
+                     methods=("full",))  # fmt: skip
+    records = [
+        NiahRecord("niah_single_1", n, d, 0, "full", ["1"], "", [], score, 1.0)
+        for n, d, score in ((1024, 0.2, 1.0), (1024, 0.8, 0.0), (2048, 0.2, 0.5))
+    ]
+    shown: list[object] = []
+    monkeypatch.setattr(niah_report, "save_figure", lambda fig, path, dpi: shown.append(fig))
+    niah_report.heatmap(NiahRun(s, records, {}), tmp_path / "h.png", "longkv niah: m, fp32")
+    (fig,) = shown
+    assert fig._suptitle.get_text() == "longkv niah: m, fp32"  # type: ignore[attr-defined]
+    ax = fig.axes[0]  # type: ignore[attr-defined]
+    assert ax.get_title() == "niah_single_1 / full"
+    labels = {t.get_text(): t.get_color() for t in ax.texts}
+    assert labels == {"100": "white", "0": "white", "50": "black"}  # the 2048 / 0.8 cell: none

@@ -154,7 +154,7 @@ def write_bounded_page(
             *routes,
         ]
     paths = write_report(stem, title, payload, body)
-    heatmap(niah, stem.with_suffix(".png"))
+    heatmap(niah, stem.with_suffix(".png"), title)
     budget = stem.parent / f"{stem.name}_budget.png"
     budget_plot(niah, budget)
     return [*paths, stem.with_suffix(".png"), budget]

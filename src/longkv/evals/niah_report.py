@@ -33,13 +33,20 @@ def accuracy_table(run: NiahRun) -> str:
             mean = f"{sum(known) / len(known):.1f}" if known else ""
             shown = ["" if c is None else f"{c:.1f}" for c in cells]
             rows.append([task, method, *shown, mean])
-    header = ["task", "method", *map(str, s.lengths), "mean"]
+    header = ["task", "method", *(f"{n} tokens" for n in s.lengths), "mean"]
     lines = markdown_table(header, rows, "<<" + ">" * (len(s.lengths) + 1))
     return "\n".join(lines) + "\n"
 
 
-def heatmap(run: NiahRun, path: Path) -> None:
-    """One panel per task and method: score (0-100) over depth (rows) x length (columns)."""
+def label_colour(score: float) -> str:
+    """The colour of a score's label on its heatmap cell (RdYlGn, 0-100): white on the dark
+    red and green ends, black on the light middle."""
+    return "white" if score < 20 or score > 80 else "black"
+
+
+def heatmap(run: NiahRun, path: Path, title: str) -> None:
+    """One panel per task and method: score (0-100) over depth (rows) x length (columns), under
+    `title` (the model and dtype)."""
     plt = pyplot()
     s = run.settings
     scores = mean_scores(run.records, lambda r: (r.task, r.method, r.depth, r.context_len))
@@ -66,14 +73,17 @@ def heatmap(run: NiahRun, path: Path) -> None:
             ax.set_yticks(range(len(s.depths)), [f"{d:g}" for d in s.depths])
             for a in range(len(s.depths)):
                 for b in range(len(s.lengths)):
-                    if not grid[a, b].isnan():
-                        ax.text(b, a, f"{grid[a, b]:.0f}", ha="center", va="center", fontsize=8)
+                    value = float(grid[a, b])
+                    if value == value:  # not NaN: a cell that was answered
+                        ax.text(b, a, f"{value:.0f}", ha="center", va="center", fontsize=8,
+                                color=label_colour(value))  # fmt: skip
             ax.set_title(f"{task} / {method}", fontsize=9)
             if i == rows - 1:
                 ax.set_xlabel("context length")
             if j == 0:
                 ax.set_ylabel("needle depth")
     fig.colorbar(image, ax=axes, shrink=0.8, label="string_match_all")
+    fig.suptitle(title, fontsize=10)
     save_figure(fig, path, dpi=100)
 
 
@@ -162,5 +172,5 @@ def write_niah_page(
         f"![heatmap]({stem.name}.png)",
     ]
     write_atomic(stem.with_suffix(".md"), "\n".join(page) + "\n")
-    heatmap(run, stem.with_suffix(".png"))
+    heatmap(run, stem.with_suffix(".png"), title)
     return [stem.with_suffix(suffix) for suffix in (".json", ".md", ".png")]
