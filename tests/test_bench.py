@@ -37,6 +37,12 @@ def test_bench_kvm_writes_results_with_provenance(
     ratio = data["ratios"]["kvm_fixed / bswa prefill at 256"]
     assert ratio["target"] == "<= 2" and ratio["value"] > 0
     assert "kvm_fixed / bswa prefill at 256" in printed
+    # each target says the length it holds from and whether it was met
+    assert "(target >= 12 from 32768 tokens: not measured at this length)" in printed
+    speedup = data["ratios"]["full / kvm_fixed prefill at 256"]
+    assert speedup["from"] == 32768 and speedup["met"] is None
+    assert ratio["met"] == (ratio["value"] <= 2)
+    assert f"(target <= 2: {'met' if ratio['met'] else 'missed'})" in printed
     assert (tmp_path / "bench_kvm.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     page = (tmp_path / "bench_kvm.md").read_text()
     assert data["provenance"]["command"] in page and data["provenance"]["commit"] in page

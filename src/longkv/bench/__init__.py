@@ -29,7 +29,23 @@ def use_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
+def verdict(ratio: dict[str, Any]) -> str:
+    """A ratio's target, the length it holds from and, where the ratio records it, whether it
+    was met ("" without a target)."""
+    target = ratio.get("target")
+    if not target:
+        return ""
+    start = ratio.get("from")
+    said = f"{target} from {start} tokens" if start else target
+    if "met" not in ratio:
+        return said
+    met = ratio["met"]
+    return f"{said}: " + (
+        "not measured at this length" if met is None else "met" if met else "missed"
+    )
+
+
 def ratios_table(ratios: dict[str, dict[str, Any]]) -> list[str]:
     """Markdown: each ratio of one run, its value and the target it is read against."""
-    rows = [[name, f"{r['value']:.2f}", r["target"] or ""] for name, r in ratios.items()]
+    rows = [[name, f"{r['value']:.2f}", verdict(r)] for name, r in ratios.items()]
     return markdown_table(["ratio (same run)", "value", "target"], rows, "<><")

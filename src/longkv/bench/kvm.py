@@ -26,7 +26,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from longkv.attention import block_sliding_window_attention, full_attention
-from longkv.bench import check_threads, ratios_table, threads_setting, use_threads
+from longkv.bench import check_threads, ratios_table, threads_setting, use_threads, verdict
 from longkv.bench.flops import Shape, Work, gemm_rate, kvm_work, window_work
 from longkv.bench.memory import keep_freed_heap, peak_memory
 from longkv.checks import require, require_at_least, require_known, setting
@@ -239,23 +239,34 @@ def measure(steps: dict[str, Step], T: int, s: BenchSettings) -> list[Measuremen
 
 # time / floor targets of the KVM prefills (issue 11), from this length on
 FLOOR_TARGETS = {"kvm_fixed": (8192, 1.3), "kvm_sqrt": (32768, 1.5), "kvm_saturation": (32768, 1.5)}
+SPEEDUP_FROM = 32768  # full / kvm_fixed prefill >= 12 is a target for 32K tokens and longer
 
 
 def ratios(r: BenchResult) -> dict[str, dict[str, Any]]:
-    """Ratios of numbers measured in this run, with the issues' targets where they apply."""
+    """Ratios of numbers measured in this run, each with its target where one applies: the
+    bound ("<= 1.3"), the length it holds from (None: any) and whether it was met (None where
+    this length is below it)."""
     s, out = r.settings, {}
     lengths = sorted(s.lengths)
     lo, hi = lengths[0], lengths[-1]
 
-    def add(name: str, value: float, target: str | None = None) -> None:
-        out[name] = {"value": value, "target": target}
+    def add(
+        name: str, value: float, target: str | None = None, start: int | None = None,
+        at: int | None = None,
+    ) -> None:  # fmt: skip
+        """A ratio measured at length `at`, against a target holding from `start` tokens."""
+        met = None
+        if target is not None and (start is None or at is None or at >= start):
+            op, bound = target.split()[:2]
+            met = value <= float(bound) if op == "<=" else value >= float(bound)
+        out[name] = {"value": value, "target": target, "from": start, "met": met}
 
     for method in (m for m in s.methods if m in FLOOR_TARGETS):
         start, limit = FLOOR_TARGETS[method]
         for T in lengths:
             m = r.get(method, T)
-            target = f"<= {limit}" if T >= start else None
-            add(f"{method} prefill time / floor at {T}", m.prefill_s / m.prefill_floor_s, target)
+            name = f"{method} prefill time / floor at {T}"
+            add(name, m.prefill_s / m.prefill_floor_s, f"<= {limit}", start, T)
     if "kvm_fixed" not in s.methods:
         return out
     fixed = {T: r.get("kvm_fixed", T) for T in lengths}
@@ -274,7 +285,7 @@ def ratios(r: BenchResult) -> dict[str, dict[str, Any]]:
     for T in lengths:
         if "full" in s.methods:
             speedup = r.get("full", T).prefill_s / fixed[T].prefill_s
-            add(f"full / kvm_fixed prefill at {T}", speedup, ">= 12" if hi == T else None)
+            add(f"full / kvm_fixed prefill at {T}", speedup, ">= 12", SPEEDUP_FROM, T)
         if "bswa" in s.methods:
             bswa = r.get("bswa", T)
             add(f"kvm_fixed / bswa prefill at {T}", fixed[T].prefill_s / bswa.prefill_s, "<= 2")
@@ -318,8 +329,8 @@ def table(r: BenchResult) -> str:
     lines = ["".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
     lines.append("")
     for name, ratio in r.ratios.items():
-        target = f"  (target {ratio['target']})" if ratio["target"] else ""
-        lines.append(f"{name:<48}{ratio['value']:>8.2f}{target}")
+        said = verdict(ratio)
+        lines.append(f"{name:<48}{ratio['value']:>8.2f}" + (f"  (target {said})" if said else ""))
     return "\n".join(lines)
 
 
