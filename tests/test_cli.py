@@ -376,6 +376,8 @@ def test_bounded_compares_every_bounded_run_on_one_page(
     assert "| streaming@64 |" in cache and "| 1.00 |" in cache.split("| streaming@64 |")[1]
     assert "| 2.00 |" in cache.split("| full |")[1].split("\n")[0]
     assert "- 4 needle answers from `longkv niah --model" in page
+    printed = capsys.readouterr().out  # the NLL, time and memory tables, not only the needles
+    assert "200 tokens:" in printed and "| kvm-fold/sqrt@128 | 16 |" in printed
 
 
 def test_the_fate_table_sizes_founded_slots_only_where_the_answer_founded_some() -> None:

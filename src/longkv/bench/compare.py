@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from torch import Tensor, nn
+from tqdm import tqdm
 
 from longkv.attention.state import tensor_bytes
 from longkv.bench.memory import keep_freed_heap, load_weights, peak_memory
@@ -73,7 +74,9 @@ def _runs(
 
     def read(label: str, ids: Tensor) -> FoldResult:
         runner = last[label] = make_runner(model, bounded[label])
-        return bounded_fold(runner, ids, stream_chunk, progress=True)
+        return bounded_fold(
+            runner, ids, stream_chunk, progress=True, desc=f"{label}, {ids.shape[1]} tokens"
+        )
 
     runs: dict[str, tuple[int | None, Run]] = {
         "full": (None, lambda ids: fold(ids, ids.shape[1], "exact", False)),
@@ -132,7 +135,8 @@ def compare_methods(
     results: dict[str, MethodRun] = {}
     full_nll: Tensor | None = None
     T = input_ids.shape[1]
-    for method in ("full", *[m for m in methods if m != "full"]):
+    order = ("full", *[m for m in methods if m != "full"])
+    for method in tqdm(order, desc=f"methods over {T} tokens", unit="method"):
         size, run_on = runs[method]
         run = functools.partial(run_on, input_ids)
         run_on(input_ids[:, : min(T, WARM_UP_TOKENS)])  # what a first call sets up is not counted

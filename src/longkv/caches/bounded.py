@@ -333,9 +333,11 @@ def bounded_fold(
     *,
     return_logits: bool = False,
     progress: bool = False,
+    desc: str | None = None,
 ) -> FoldResult:
     """Feed input_ids (B, T) through a bounded runner chunk by chunk; nll and logits as for
-    `kv_fold` (the result's cache: the entries and chunk of the last forward)."""
+    `kv_fold` (the result's cache: the entries and chunk of the last forward); desc labels the
+    progress bar (default: the runner's method)."""
     check_input(input_ids, chunk_size)
     runner.check_room(input_ids.shape[1])
     if chunk_size > runner.config.window_len:
@@ -345,7 +347,7 @@ def bounded_fold(
         )
     return score_chunks(
         runner, input_ids, chunk_size,
-        return_logits=return_logits, progress=progress, desc=runner.method,
+        return_logits=return_logits, progress=progress, desc=desc or runner.method,
     )  # fmt: skip
 
 

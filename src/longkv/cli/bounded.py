@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from longkv.bench.bounded import bounded_nll, write_bounded_page
+from longkv.bench.compare import markdown_rows
 from longkv.checks import require_at_least, setting
 from longkv.cli.args import command
 from longkv.cli.common import ModelOptions, dtype_setting, niah_records_setting, require_positions
@@ -74,6 +75,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     paths = write_bounded_page(stem, title, payload, reports, niah, o.text, sources)
     nll_path.unlink()
     niah_path.unlink()
+    for n in sorted(reports, key=int):  # the page's NLL, time and memory tables, then its needles
+        print("\n".join([f"{n} tokens:", "", *markdown_rows(reports[n]), ""]))
     print(accuracy_table(niah))
     print("wrote " + ", ".join(map(str, paths)))
     return 0
