@@ -15,7 +15,7 @@ import torch
 from longkv.caches.methods import CACHE_METHODS, BoundedOptions, make_runner, read_and_answer
 from longkv.checks import refused_as, require, require_at_least, setting
 from longkv.cli.args import command
-from longkv.cli.common import ModelOptions, dtype_setting, input_device
+from longkv.cli.common import LoadOptions, dtype_setting, input_device
 from longkv.decoding import Pick, Sampler, greedy
 from longkv.fold.fold import CLI_SWITCH, check_positions
 
@@ -100,11 +100,11 @@ class Printer:
 
 def configure(name: str, parser: argparse.ArgumentParser) -> None:
     """The options of `ask`."""
-    command(parser, run, ModelOptions, AskOptions)
+    command(parser, run, LoadOptions, AskOptions)
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
-    m, o = args.settings[ModelOptions], args.settings[AskOptions]
+    m, o = args.settings[LoadOptions], args.settings[AskOptions]
     assert o.file is not None and o.question is not None
     if o.file == "-":
         document = sys.stdin.read()

@@ -17,8 +17,8 @@ from longkv.results import OUT_DIR, OUT_DIR_HELP
 
 
 @dataclass(frozen=True)
-class ModelOptions:
-    """The pretrained model a command loads, its corpus and where its results go."""
+class LoadOptions:
+    """The pretrained model a command loads and where it runs."""
 
     model: str = setting(
         DEFAULT_MODEL,
@@ -31,10 +31,6 @@ class ModelOptions:
         'spread the model over devices with accelerate, e.g. "auto" (default: none; the '
         "model goes to --device)",
     )
-    corpus_dir: str | None = setting(
-        None, "corpus folder (default: $LONGKV_CORPUS_DIR, else the texts shipped with longkv)"
-    )
-    out_dir: str = setting(OUT_DIR, OUT_DIR_HELP)
     allow_extrapolation: bool = setting(
         False,
         "run a RoPE model past its max_position_embeddings, at positions it was never trained "
@@ -44,6 +40,16 @@ class ModelOptions:
     def load(self, dtype: str) -> tuple[torch.nn.Module, Any]:
         """The model (in DTYPES[dtype]) and tokenizer these options name."""
         return load_pretrained(self.model, DTYPES[dtype], self.device, self.device_map)
+
+
+@dataclass(frozen=True)
+class ModelOptions(LoadOptions):
+    """The pretrained model a command loads, its corpus and where its results go."""
+
+    corpus_dir: str | None = setting(
+        None, "corpus folder (default: $LONGKV_CORPUS_DIR, else the texts shipped with longkv)"
+    )
+    out_dir: str = setting(OUT_DIR, OUT_DIR_HELP)
 
     def token_ids(self, model: torch.nn.Module, tokenizer: Any, n: int, text: str) -> torch.Tensor:
         """The first n tokens of corpus file `text` as ids (1, n) on the model's input device."""
