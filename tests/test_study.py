@@ -6,7 +6,7 @@ import copy
 import gzip
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -16,6 +16,7 @@ from longkv.bench.train import variant_config
 from longkv.cli.main import main
 from longkv.evals.synthetic import make_mqar, query_distance
 from longkv.models import LongKVConfig
+from longkv.study import grid
 from longkv.study.config import load_study, study_from_mapping
 from longkv.study.grid import EVAL_FILE, StudyData, mqar_rows, run_dir, run_study
 from longkv.study.report import describe_study
@@ -145,6 +146,46 @@ def test_an_interrupted_run_resumes_to_the_numbers_of_an_uninterrupted_one(
     assert untimed(resumed["kvm", 1]) == untimed(whole["kvm", 1])
     recorded = json.loads((out / EVAL_FILE).read_text())
     assert untimed(recorded) == untimed(whole["kvm", 1])
+
+
+class StepBar:
+    """tqdm's stand-in in longkv.study.grid: records the study bar's updates, passes an
+    iterable (an evaluation's points) through."""
+
+    made: ClassVar[list[StepBar]] = []
+
+    def __init__(self, iterable: Any = None, **kwargs: Any) -> None:
+        self.iterable, self.total, self.n, self.updates = iterable, kwargs.get("total"), 0, []
+        StepBar.made.append(self)
+
+    def __iter__(self) -> Any:
+        return iter(self.iterable)
+
+    def update(self, k: int = 1) -> None:
+        self.n += k
+        self.updates.append(k)
+
+    def set_postfix_str(self, text: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_study_bar_counts_every_runs_training_steps_so_its_eta_is_the_studys(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(grid, "tqdm", StepBar)
+    study = study_from_mapping(MQAR)
+    steps = study.train_config(0).steps
+    run_study(study, tmp_path, variants=["kvm"], seeds=[0, 1])
+    bar = next(b for b in StepBar.made if b.total is not None)
+    assert bar.total == 2 * steps and bar.n == 2 * steps
+    assert bar.updates == ([1] * steps + [0]) * 2  # a step at a time, nothing left at the end
+    StepBar.made.clear()
+    run_study(study, tmp_path, variants=["kvm"], seeds=[0, 1])  # finished: skipped
+    bar = next(b for b in StepBar.made if b.total is not None)
+    assert bar.updates == [steps, steps]
 
 
 def test_changed_settings_of_a_finished_run_are_refused_naming_them(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from functools import cached_property
 from pathlib import Path
@@ -205,9 +205,15 @@ def evaluate_lm(model: LongKVForCausalLM, rows: torch.Tensor, spec: LMEval) -> d
 
 
 def run_one(
-    data: StudyData, runs_dir: str | Path, variant: str, seed: int, label: str
+    data: StudyData,
+    runs_dir: str | Path,
+    variant: str,
+    seed: int,
+    label: str,
+    on_step: Callable[[], object] | None = None,
 ) -> dict[str, Any]:
-    """Train and evaluate one run unless its eval.json holds the current settings; its record."""
+    """Train and evaluate one run unless its eval.json holds the current settings; its record.
+    on_step: called after each training step."""  # fmt: skip
     study = data.study
     out = run_dir(runs_dir, study, variant, seed)
     settings = data.settings(variant, seed)
@@ -227,7 +233,8 @@ def run_one(
     train_rows, held_out = data.rows
     config, cfg = data.model_config(variant), study.train_config(seed)
     metrics = train(
-        config, cfg, train_rows, held_out, out, data=study.data_settings(), desc=label
+        config, cfg, train_rows, held_out, out, data=study.data_settings(), desc=label,
+        on_step=on_step,
     )  # fmt: skip
     model = LongKVForCausalLM.from_pretrained(out / "model").to(train_device()).eval()
     if study.mqar is not None:
@@ -278,9 +285,14 @@ def run_study(
     data = data or StudyData(study)
     grid = [(v, s) for v in variants or study.variants for s in seeds or study.seeds]
     records = {}
-    bar = tqdm(grid, desc=f"study {study.name}", unit="run")
-    for i, (variant, seed) in enumerate(bar, 1):
+    steps = study.train_config(0).steps  # every run's
+    # the whole study in training steps, so its ETA covers every run left (finished runs and
+    # steps resumed from a checkpoint count as done when reached)
+    bar = tqdm(total=len(grid) * steps, desc=f"study {study.name}", unit="step")
+    for i, (variant, seed) in enumerate(grid, 1):
         label = f"{variant} seed {seed} ({i}/{len(grid)})"
         bar.set_postfix_str(label)
-        records[(variant, seed)] = run_one(data, runs_dir, variant, seed, label)
+        records[(variant, seed)] = run_one(data, runs_dir, variant, seed, label, bar.update)
+        bar.update(i * steps - bar.n)  # a finished or resumed run's steps
+    bar.close()
     return records

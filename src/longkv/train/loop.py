@@ -17,7 +17,7 @@ import importlib.util
 import inspect
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -321,11 +321,13 @@ def train(
     stop_after: int | None = None,
     dtype: torch.dtype = torch.float32,
     desc: str = "train",
+    on_step: Callable[[], object] | None = None,
 ) -> list[dict[str, float]]:
     """Train (or resume, or extend) on rows (N, seq_len + 1) and return the metrics rows.
 
     Training rows are token rows, the loss on every next token, or LabelledRows, the loss on the
-    labelled tokens only (training and held-out alike). desc: the progress bar's label.
+    labelled tokens only (training and held-out alike). desc: the progress bar's label;
+    on_step is called after each step (a study's overall progress).
 
     A row per step: step, loss, lr (of that step's update), eval_loss (on eval steps) and
     seconds (wall time of the training steps so far, evaluations included, checkpoint writes
@@ -363,6 +365,8 @@ def train(
             row["seconds"] = elapsed
             metrics.append(row)
             bar.set_postfix_str(progress_postfix(row["loss"], eval_loss))
+            if on_step is not None:
+                on_step()
             _log(writer, row)
             if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == end:
                 _save(run, out, metrics, settings, writer)
