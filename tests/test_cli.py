@@ -755,3 +755,31 @@ def test_ask_refuses_before_reading_what_it_cannot_read(
     assert main(ask_argv(tiny_model, doc, *extra)) == 2
     err = capsys.readouterr().err
     assert said in err and "Traceback" not in err, err
+
+
+def test_bounded_puts_two_level_runs_on_the_page_with_their_leaves_and_routes(
+    tiny_model: str, tmp_path: Path
+) -> None:
+    """The page the two-level study uses: coarse and two-level runs side by side, int8 leaves
+    for one of them alone (--only), the leaves' bytes, the entries attended and the routes."""
+    argv = [
+        "bounded", "--model", tiny_model, "--nll-tokens", "150", "300", "--tasks", "passkey",
+        "--lengths", "300", "--depths", "0.5", "--methods", "full", "kvm-fold", "--budgets",
+        "64", "--window", "32", "--stream-chunk", "16", "--kvm-open", "0", "8",
+        "--kvm-leaves", "exact", "int8", "--only", "full", "kvm-fold/fixed@64",
+        "kvm-fold/fixed/open8@64", "kvm-fold/fixed/open8/int8@64", "--max-new-tokens", "2",
+        "--out-dir", str(tmp_path), "--name", "b",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    saved = json.loads((tmp_path / "b.json").read_text())
+    runs = {r["method"]: r for r in saved["nll"]["300"]["runs"]}
+    assert list(runs) == [
+        "full", "kvm-fold/fixed@64", "kvm-fold/fixed/open8@64", "kvm-fold/fixed/open8/int8@64"
+    ]  # fmt: skip
+    exact, int8 = runs["kvm-fold/fixed/open8@64"], runs["kvm-fold/fixed/open8/int8@64"]
+    assert 0 < int8["leaf_bytes"] < exact["leaf_bytes"] and runs["full"]["leaf_bytes"] == 0
+    assert exact["cache_bytes"] == int8["cache_bytes"]  # the same bounded part
+    assert exact["attended_share"] < 1 and runs["full"]["attended_share"] == 1
+    page = (tmp_path / "b.md").read_text()
+    assert "## How two-level KVM-Fold routed to the needles' answer tokens" in page
+    assert "| kvm-fold/fixed/open8/int8@64 |" in page.split("routed to the needles")[1]
