@@ -358,6 +358,7 @@ def test_bounded_compares_every_bounded_run_on_one_page(
         "b.md",
         "b.png",
         "b_budget.png",
+        "b_cost.png",
         "x",
     ]  # the partial files are gone
     saved = json.loads((tmp_path / "b.json").read_text())
@@ -389,6 +390,26 @@ def test_the_fate_table_sizes_founded_slots_only_where_the_answer_founded_some()
     rows = fate_rows([record("k", 0.0, 0.5, 3.0), record("k", 0.0, 0.0, 0.0)])
     assert rows[2] == "| k | no | 2 | 0.0 % | 25.0 % | 75.0 % | 0.0 % | 3.0 |"
     assert fate_rows([record("k", 1.0, 0.0, 0.0)])[2].endswith("| 0.0 % | - |")
+
+
+def test_the_cost_plot_puts_each_method_at_its_attended_share_and_nll_gap(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from longkv.bench import bounded
+
+    def run(method: str, share: float, gap: float) -> dict[str, Any]:
+        return {"method": method, "attended_share": share, "nll_gap_vs_full": gap}
+
+    nll = {"4096": {"runs": [run("full", 1.0, 0.0), run("two", 0.2, 0.001)]},
+           "8192": {"runs": [run("full", 1.0, 0.0), run("two", 0.1, 0.002)]}}  # fmt: skip
+    shown: list[Any] = []
+    monkeypatch.setattr(bounded, "finish_figure", lambda fig, path, title: shown.append(fig))
+    bounded.cost_plot(nll, tmp_path / "c.png", "longkv bounded: m, fp32")
+    (fig,) = shown
+    _, second = fig.axes
+    assert [ax.get_title() for ax in fig.axes] == ["4096 tokens", "8192 tokens"]
+    points = {t.get_text(): t.xy for t in second.texts}
+    assert points == {"full": (100.0, 0.0), "two": (10.0, 0.002)}
 
 
 def test_the_route_table_ranks_only_the_samples_whose_answer_left_the_window() -> None:

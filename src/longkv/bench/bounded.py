@@ -18,7 +18,14 @@ from torch import nn
 from longkv.bench.compare import compare_methods, markdown_rows
 from longkv.evals.niah_records import NiahRecord, NiahRun, NiahSettings
 from longkv.evals.niah_report import accuracy_table, budget_plot, heatmap, methods_line
-from longkv.results import load_partial, markdown_table, save_partial, write_report
+from longkv.results import (
+    finish_figure,
+    load_partial,
+    markdown_table,
+    pyplot,
+    save_partial,
+    write_report,
+)
 
 FATES = ("exact", "founded", "merged", "dropped")
 
@@ -62,6 +69,25 @@ def memory_rows(
         rows.append([method, *shown, ratio])
     header = ["method", *(f"{what} MiB at {n}" for n in lengths), f"{lengths[-1]} / {lengths[0]}"]
     return markdown_table(header, rows, "<" + ">" * (len(lengths) + 1))
+
+
+def cost_plot(nll: dict[str, Any], path: Path, title: str) -> None:
+    """One panel per length: each method's NLL gap to full attention against the entries its
+    last chunk's queries attended (mean share of full attention's), labelled by method."""
+    plt = pyplot()
+    lengths = sorted(nll, key=int)
+    fig, axes = plt.subplots(1, len(lengths), figsize=(5.2 * len(lengths), 4.2), squeeze=False)
+    for ax, n in zip(axes[0], lengths, strict=True):
+        for r in nll[n]["runs"]:
+            x, y = 100 * r["attended_share"], r["nll_gap_vs_full"]
+            ax.scatter([x], [y], s=22)
+            ax.annotate(r["method"], (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.axhline(0, color="gray", linewidth=0.8)
+        ax.set_xscale("log")
+        ax.set_title(f"{n} tokens", fontsize=9)
+        ax.set_xlabel("entries attended by the last chunk's queries (% of full attention's)")
+        ax.set_ylabel("NLL gap to full attention (nats)")
+    finish_figure(fig, path, title)
 
 
 def fate_rows(records: list[NiahRecord]) -> list[str]:
@@ -108,9 +134,10 @@ def write_bounded_page(
     stem: Path, title: str, payload: dict[str, Any], reports: dict[str, dict[str, Any]],
     niah: NiahRun, text: str, sources: list[str],
 ) -> list[Path]:  # fmt: skip
-    """stem.{json,md,png} and stem_budget.png: the NLL reports by length, peak memory against
-    length, the needles and where kvm-fold put their answers; payload (with the provenance) is
-    the JSON. Returns the paths written."""
+    """stem.{json,md,png}, stem_budget.png and stem_cost.png: the NLL reports by length, peak
+    memory and the cache against length, the NLL gap against the entries attended, the needles,
+    where kvm-fold put their answers and how two-level routed to them; payload (with the
+    provenance) is the JSON. Returns the paths written."""
     s = niah.settings
     body = [
         f"- {methods_line(s)}",
@@ -126,6 +153,7 @@ def write_bounded_page(
     body += ["The bounded part of a bounded cache (two-level KVM-Fold's leaves apart); full "
              "attention's every key and value.", ""]  # fmt: skip
     body += memory_rows(reports, "cache_bytes", "cache")
+    body += ["", "### NLL gap against the entries attended", "", f"![cost]({stem.name}_cost.png)"]
     body += ["", "## Needles", "", "string_match_all (0-100) per task, method and length:", ""]
     body += [accuracy_table(niah), f"![heatmap]({stem.name}.png)", ""]
     body += [f"![accuracy against budget]({stem.name}_budget.png)"]
@@ -157,4 +185,6 @@ def write_bounded_page(
     heatmap(niah, stem.with_suffix(".png"), title)
     budget = stem.parent / f"{stem.name}_budget.png"
     budget_plot(niah, budget)
-    return [*paths, stem.with_suffix(".png"), budget]
+    cost = stem.parent / f"{stem.name}_cost.png"
+    cost_plot(reports, cost, title)
+    return [*paths, stem.with_suffix(".png"), budget, cost]
