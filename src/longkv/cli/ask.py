@@ -38,7 +38,7 @@ class AskOptions(BoundedOptions):
     chat: bool = setting(
         True, "put document and question in the tokenizer's chat template when it has one"
     )
-    max_new_tokens: int = setting(256, "answer tokens at most")
+    max_new_tokens: int = setting(128, "answer tokens at most")
     sample: bool = setting(False, "sample instead of greedy")
     temperature: float = setting(1.0, "sampling temperature")
     top_k: int | None = setting(None, "sample from the k likeliest (default: all)")
