@@ -101,3 +101,15 @@ def test_generate_refuses_what_is_not_a_causal_lm_in_one_line(
     captured = capsys.readouterr()
     assert captured.out == "" and len(captured.err.strip().splitlines()) == 1
     assert captured.err.startswith("longkv: error: model ") and message in captured.err
+
+
+@pytest.mark.parametrize("command", ["generate", "ask"])
+def test_answer_lengths_are_refused_before_a_model_is_looked_for(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The model does not exist: the length is refused first, naming its option."""
+    text = ["--prompt", "x"] if command == "generate" else ["--file", "-", "--question", "x"]
+    argv = [command, "--model", "/nonexistent/model", *text, "--max-new-tokens", "-3"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "argument --max-new-tokens: must be >= 1, got -3" in err and "nonexistent" not in err
