@@ -362,12 +362,13 @@ def bounded_generate(
     after_prompt: Callable[[], object] | None = None,
     pick: Pick = greedy,
     on_token: Callable[[Tensor], object] | None = None,
+    desc: str | None = None,
 ) -> Tensor:
     """Read a prompt (B, T) through the runner, then decode (B, n) from its cache, greedy
     unless `pick` samples (`continue_decode`); after_prompt is called between the two (to look
-    at the runner as the prompt left it)."""
+    at the runner as the prompt left it); desc labels the progress bar (`bounded_fold`)."""
     runner.check_room(input_ids.shape[1] + max_new_tokens - 1)  # the last token is not read
-    run = bounded_fold(runner, input_ids, chunk_size, progress=progress)
+    run = bounded_fold(runner, input_ids, chunk_size, progress=progress, desc=desc)
     if after_prompt is not None:
         after_prompt()
     return continue_decode(

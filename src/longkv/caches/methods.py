@@ -238,7 +238,7 @@ def read_and_answer(
     forward), `fold` (chunks of chunk_size, `variant`) or a bounded method through `runner`
     (`make_runner`; chunks of stream_chunk; after_prompt is called once the prompt is read).
     Decoding is greedy unless `pick` samples; on_token sees each step's tokens as they come;
-    a chunked read shows its progress."""
+    a chunked read shows its progress, labelled by `method` (a run's label)."""
     if method in ("full", "fold"):
         size, variant = (ids.shape[1], "exact") if method == "full" else (chunk_size, variant)
         return fold_generate(
@@ -250,7 +250,7 @@ def read_and_answer(
         raise ValueError(f"runner: {method} reads through a bounded runner; pass make_runner's")
     return bounded_generate(
         runner, ids, stream_chunk, max_new_tokens, eos_token_id=eos_token_id, progress=True,
-        after_prompt=after_prompt, pick=pick, on_token=on_token,
+        after_prompt=after_prompt, pick=pick, on_token=on_token, desc=method,
     )  # fmt: skip
 
 

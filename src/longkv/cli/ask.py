@@ -136,7 +136,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     runner = None if config is None else make_runner(model, config)
     print(f"{len(ids)} tokens read by {label}; answer:", file=sys.stderr)
     read_and_answer(
-        model, tensor, o.method, o.max_new_tokens, runner=runner, chunk_size=o.chunk_size,
+        model, tensor, label, o.max_new_tokens, runner=runner, chunk_size=o.chunk_size,
         stream_chunk=o.stream_chunk, eos_token_id=eos, allow_extrapolation=m.allow_extrapolation,
         pick=o.pick(), on_token=Printer(tokenizer, eos),
     )  # fmt: skip
