@@ -41,3 +41,44 @@ def test_gradcheck() -> None:
         return out
 
     assert torch.autograd.gradcheck(fn, tensors, eps=1e-6, atol=1e-6)
+
+
+def test_the_merge_gate_is_one_plus_elu_without_its_cancellation() -> None:
+    from longkv.kvm.functional import GATE_FLOOR, merge_gate
+
+    x = torch.linspace(-16, 5, 211, dtype=torch.float64)
+    # 1 + elu(x) itself loses digits to cancellation below 0 (1e-10 relative at -16)
+    torch.testing.assert_close(merge_gate(x), 1 + torch.nn.functional.elu(x), rtol=1e-9, atol=0)
+    assert torch.equal(merge_gate(x), torch.where(x < 0, x.exp(), x + 1))
+    far = torch.tensor([-40.0, -90.0, -1e4, 1e4], requires_grad=True)
+    gate = merge_gate(far)
+    assert bool((gate > 0).all()) and float(gate[0].detach()) == pytest.approx(4.248e-18, rel=1e-3)
+    assert float(1 + torch.nn.functional.elu(torch.tensor(-40.0))) == 0.0  # what it replaces
+    gate.sum().backward()
+    assert far.grad is not None and torch.isfinite(far.grad).all()
+    assert far.grad.tolist()[1:3] == [0.0, 0.0]  # below the floor: no gradient
+    assert bool((merge_gate(torch.tensor([GATE_FLOOR - 1], dtype=torch.bfloat16)) > 0).all())
+
+
+@pytest.mark.parametrize(("dtype", "logit"), [(torch.float32, -40.0), (torch.bfloat16, -12.0)])
+def test_a_model_whose_gates_closed_still_trains_a_step(dtype: torch.dtype, logit: float) -> None:
+    """Gate logits driven far below 0 (a model that learned to keep tokens out of the state):
+    the gates stay > 0, the loss and every gradient finite, and a step of AdamW runs."""
+    from conftest import tiny_longkv
+
+    model = tiny_longkv(["kvm", "kvm"], "fixed").to(dtype).train()
+    gates = [block.mixer.gate_proj for block in model.model.layers]
+    with torch.no_grad():
+        for proj in gates:
+            proj.weight.zero_()
+            proj.bias.fill_(logit)
+    ids = torch.randint(0, 53, (2, 40), generator=torch.Generator().manual_seed(0))
+    x = model.model.embed_tokens(ids)
+    assert bool((model.model.layers[0].mixer.merge_gates(x) > 0).all())
+    loss = model(ids, labels=ids).loss
+    assert loss is not None and torch.isfinite(loss)
+    loss.backward()
+    for name, p in model.named_parameters():
+        assert p.grad is None or torch.isfinite(p.grad).all(), name
+    torch.optim.AdamW(model.parameters(), lr=1e-3).step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -35,6 +35,21 @@ from longkv.kvm.state import KVMState, ReadOut, pack_slots, window_start
 LN_EPS = 1e-5
 
 
+# the smallest gate logit: exp(-80) ~ 1.8e-35 lies above the smallest normal number of float32
+# and bfloat16 (1.2e-38), so a gate is never 0; below it the logit gets no gradient
+GATE_FLOOR = -80.0
+
+
+def merge_gate(logit: Tensor) -> Tensor:
+    """g = 1 + elu(logit), > 0 in float32 and bfloat16 whatever the logit: computed as
+    exp(logit) below 0 and logit + 1 above (1 + elu rounds to exactly 0 below about -17 in
+    float32, -7 in bfloat16), the logit floored at GATE_FLOOR. Same shape as logit."""
+    x = logit.clamp_min(GATE_FLOOR)
+    # exp of the clamped branch only: exp(x) of a large positive x would be inf, and inf times
+    # the zero gradient where() gives the unused branch is NaN
+    return torch.where(x < 0, x.clamp_max(0).exp(), x + 1)
+
+
 def state_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
     """LN_s: LayerNorm over the last (head) dim, eps 1e-5, shared by all heads."""
     return F.layer_norm(x, (x.shape[-1],), weight, bias, eps=LN_EPS)
@@ -163,7 +178,7 @@ def check_arguments(
     if gate is None:
         return dims, torch.ones_like(k[..., :1])
     if bool((gate <= 0).any()):
-        raise ValueError("gate: merge gates must be > 0 (e.g. 1 + elu(x)); got a value <= 0")
+        raise ValueError("gate: merge gates must be > 0 (e.g. merge_gate(x)); got a value <= 0")
     return dims, gate
 
 

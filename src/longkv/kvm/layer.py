@@ -5,13 +5,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from longkv.attention.layers import AttentionConfig, AttentionLayer
 from longkv.checks import require
 from longkv.kvm.config import KVMConfig
-from longkv.kvm.functional import kvm_attention
+from longkv.kvm.functional import kvm_attention, merge_gate
 from longkv.kvm.state import KVMState
 
 ABLATIONS = ("no_vlens", "no_sink", "no_merge_gate", "no_head_temps", "no_append_gate")
@@ -72,10 +71,11 @@ class KVMAttention(AttentionLayer):
         )
 
     def merge_gates(self, x: Tensor) -> Tensor | None:
-        """g = 1 + elu(Linear(x)): x (B, T, d_model) -> (B, Hkv, T, 1), or None without a gate."""
+        """g = 1 + elu(Linear(x)) (`merge_gate`): x (B, T, d_model) -> (B, Hkv, T, 1), or None
+        without a gate."""
         if self.gate_proj is None:
             return None
-        return (1 + F.elu(self.gate_proj(x))).transpose(1, 2).unsqueeze(-1)
+        return merge_gate(self.gate_proj(x)).transpose(1, 2).unsqueeze(-1)
 
     def mix(
         self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, state: KVMState | None,
