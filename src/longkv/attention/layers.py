@@ -172,7 +172,7 @@ class AttentionLayer(nn.Module):
                     "v_first: a value_residual layer needs the first layer's values, shaped like "
                     f"{tuple(v.shape)}; got {None if v_first is None else tuple(v_first.shape)}"
                 )
-            lam = torch.sigmoid(self.value_mix).view(1, -1, 1, 1)
+            lam = torch.sigmoid(self.value_mix).view(1, -1, 1, 1).to(v.dtype)  # autocast: v's
             mixed_v = v + lam * (v_first - v)
         out, state = self.mix(q, k, mixed_v, x, state, donate)
         B, T, _ = x.shape

@@ -81,16 +81,23 @@ class KVMAttention(AttentionLayer):
         self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, state: KVMState | None,
         donate: bool = False,
     ) -> tuple[Tensor, KVMState]:  # fmt: skip
+        """kvm_attention with this layer's gates and parameters, taken in q's dtype: under
+        autocast the projections give bfloat16 while the parameters stay float32 (the cast
+        passes their gradients back)."""
+
+        def like_q(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t.to(q.dtype)
+
         return kvm_attention(
             q,
             k,
             v,
             self.kvm,
-            gate=self.merge_gates(x),
+            gate=like_q(self.merge_gates(x)),
             state=state,
-            norm_weight=self.state_norm.weight,
-            norm_bias=self.state_norm.bias,
-            window_temp=self.window_temp,
-            state_temp=self.state_temp,
+            norm_weight=like_q(self.state_norm.weight),
+            norm_bias=like_q(self.state_norm.bias),
+            window_temp=like_q(self.window_temp),
+            state_temp=like_q(self.state_temp),
             donate=donate,
         )
