@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -100,6 +101,33 @@ def test_every_mixer_trains_and_decodes_under_bf16_autocast(name: str) -> None:
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         out = model.eval().generate(ids[:1, :9], max_new_tokens=5, do_sample=False)
     assert out.shape == (1, 14)
+
+
+def test_transformers_trainer_trains_saves_and_loads_a_longkv_model(tmp_path: Path) -> None:
+    """A user's own transformers.Trainer: three steps change the weights, the losses are
+    finite, and the saved model loads back as it was trained."""
+    from transformers import Trainer, TrainingArguments
+
+    model = tiny(["kvm", "swa"], "fixed").float()
+    rows = torch.randint(0, V, (8, 33), generator=torch.Generator().manual_seed(0))
+    before = [p.detach().clone() for p in model.parameters()]
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=2,
+        learning_rate=1e-3, report_to=[], use_cpu=True, save_strategy="no", logging_steps=1,
+        disable_tqdm=True,
+    )  # fmt: skip
+    trainer = Trainer(
+        model=model, args=args, train_dataset=[{"input_ids": r, "labels": r} for r in rows]
+    )
+    trainer.train()
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    trainer.save_model(str(tmp_path / "m"))
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    assert isinstance(loaded, LongKVForCausalLM)
+    for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
 
 
 def test_a_saved_models_files_take_the_users_umask(tmp_path: Path) -> None:
