@@ -188,3 +188,50 @@ def test_labelled_rows_score_exactly_their_labelled_tokens(tmp_path: Path) -> No
     torch.manual_seed(CFG.seed)  # the trainer's initial model
     initial = LongKVForCausalLM(CONFIG)
     assert abs(first - evaluate(initial, rows[batch_rows(0, 64, 8, CFG.seed)], 1, 8)) < 1e-6
+
+
+def test_the_kvm_paper_recipe_sets_each_groups_lr_and_decay_as_the_spec_does() -> None:
+    """spec training.md 1.6 at 120M (rho = 768 / 768) and 350M (rho = 1024 / 768): AdamW
+    (0.9, 0.95), no clipping, warmup 200 then linear decay to 0; matrices lr0 / rho and
+    wd0 * rho, the embedding lr0 and wd0, scalars (norms, temperatures, shifts) no decay; the
+    decay scaled by lr_t / lr_peak."""
+    from longkv.train.loop import param_groups, schedule
+
+    cfg = TrainConfig.from_section({"recipe": "kvm_paper", "steps": 6000})
+    assert (cfg.betas, cfg.grad_clip, cfg.warmup, cfg.lr, cfg.weight_decay) == (
+        (0.9, 0.95),
+        None,
+        200,
+        2e-3,
+        0.2,
+    )
+    model = LongKVForCausalLM(CONFIG)
+    for d_model, rho in ((768, 1.0), (1024, 1024 / 768)):
+        groups = {g["name"]: g for g in param_groups(model, cfg, d_model)}
+        in_groups = sorted(id(p) for g in groups.values() for p in g["params"])
+        assert in_groups == sorted(id(p) for p in model.parameters())  # each in exactly one
+        assert groups["embedding"]["params"] == [model.get_input_embeddings().weight]
+        assert all(p.dim() == 1 for p in groups["scalars"]["params"])
+        norms = [m.weight for m in model.modules() if isinstance(m, torch.nn.LayerNorm)]
+        assert {id(p) for p in norms} <= {id(p) for p in groups["scalars"]["params"]}
+        for step, factor in ((0, 1 / 200), (199, 1.0), (200, 1.0), (3100, 0.5), (5999, 1 / 5800)):
+            lr = schedule(list(groups.values()), cfg, step)
+            assert lr == pytest.approx(2e-3 * factor, rel=1e-12)
+            want = {"matrices": (2e-3 / rho, 0.2 * rho), "embedding": (2e-3, 0.2),
+                    "scalars": (2e-3, 0.0)}  # fmt: skip
+            for name, (lr0, wd0) in want.items():
+                assert groups[name]["lr"] == pytest.approx(lr0 * factor, rel=1e-12), (name, step)
+                assert groups[name]["weight_decay"] == pytest.approx(wd0 * factor, rel=1e-12)
+
+
+def test_the_default_recipe_decays_every_parameter_and_a_bad_recipe_is_refused() -> None:
+    from longkv.train.loop import param_groups, schedule
+
+    groups = param_groups(LongKVForCausalLM(CONFIG), CFG, 32)
+    schedule(groups, CFG, 4)
+    assert {g["weight_decay"] for g in groups} == {CFG.weight_decay}
+    assert {g["lr"] for g in groups} == {CFG.lr * lr_factor(4, CFG.warmup, CFG.steps)}
+    with pytest.raises(ValueError, match=r"train\.recipe: unknown \['adam'\]"):
+        TrainConfig.from_section({"recipe": "adam"})
+    with pytest.raises(ValueError, match=r"TrainConfig\.grad_clip: must be > 0 \(or null"):
+        TrainConfig(grad_clip=0.0)

@@ -438,7 +438,7 @@ def study_from_mapping(raw: Any) -> StudyConfig:
         seeds=raw["seeds"],
         model=dict(raw.get("model") or {}),
         variants=variants,
-        train=settings_from_section(TrainConfig, "train", train),
+        train=TrainConfig.from_section(train),
         **sections,
     )
 

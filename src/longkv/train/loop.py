@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from tqdm import tqdm
 
-from longkv.checks import require, require_at_least
+from longkv.checks import require, require_at_least, require_known, settings_from_section
 from longkv.data import IGNORE
 from longkv.models import LongKVConfig, LongKVForCausalLM
 from longkv.results import replaced_atomically
@@ -61,7 +61,11 @@ class TrainConfig:
     lr: float = 1e-3
     warmup: int = 10
     weight_decay: float = 0.1
-    grad_clip: float = 1.0
+    grad_clip: float | None = 1.0  # None: no clipping
+    betas: tuple[float, float] = (0.9, 0.999)  # AdamW's
+    scalar_decay: bool = True  # weight decay on 1-D parameters (norms, temperatures, biases)
+    decay_follows_lr: bool = False  # weight decay scaled by lr_t / lr_peak every step
+    width_scaled: bool = False  # matrices: lr / rho and weight_decay * rho, rho = d_model / 768
     eval_every: int = 50
     eval_batches: int = 4
     checkpoint_every: int = 50
@@ -73,15 +77,85 @@ class TrainConfig:
         at_least_one = ("steps", "batch_size", "eval_every", "eval_batches", "checkpoint_every")
         require_at_least(1, self, *at_least_one)
         require_at_least(0, self, "warmup")
-        for name in ("lr", "grad_clip"):
-            value = getattr(self, name)
-            require(value > 0, self, name, f"must be > 0, got {value}")
+        require(self.lr > 0, self, "lr", f"must be > 0, got {self.lr}")
+        require(
+            self.grad_clip is None or self.grad_clip > 0, self, "grad_clip",
+            f"must be > 0 (or null: no clipping), got {self.grad_clip}",
+        )  # fmt: skip
+        object.__setattr__(self, "betas", tuple(self.betas))  # YAML gives a list
+        require(
+            len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), self, "betas",
+            f"must be two numbers in [0, 1), got {self.betas}",
+        )  # fmt: skip
         require(
             self.parallel in ("ddp", "fsdp"),
             self,
             "parallel",
             f"must be 'ddp' or 'fsdp', got {self.parallel!r}",
         )
+
+    @classmethod
+    def from_section(cls, values: dict[str, Any]) -> TrainConfig:
+        """The train section of a run or study file: its fields, or `recipe: NAME` (RECIPES)
+        and any fields that change the recipe's."""
+        values = dict(values)
+        name = values.pop("recipe", None)
+        if name is not None:
+            require_known(None, "train.recipe", [name], list(RECIPES))
+            values = {**RECIPES[name], **values}
+        return settings_from_section(cls, "train", values)
+
+
+# named optimisation recipes for `train: {recipe: NAME}`; kvm_paper: the KVM paper's (spec
+# training.md 1.6, the 3B-token run: 6000 steps; lr and weight decay scale as
+# 1 / sqrt(tokens / 3B) for longer runs)
+RECIPES: dict[str, dict[str, Any]] = {
+    "kvm_paper": dict(
+        lr=2e-3,
+        weight_decay=0.2,
+        warmup=200,
+        betas=(0.9, 0.95),
+        grad_clip=None,
+        scalar_decay=False,
+        decay_follows_lr=True,
+        width_scaled=True,
+    ),
+}
+WIDTH_BASE = 768  # rho = d_model / WIDTH_BASE
+
+
+def param_groups(model: nn.Module, cfg: TrainConfig, d_model: int) -> list[dict[str, Any]]:
+    """AdamW's parameter groups: "scalars" (1-D: norms, temperatures, token-shift and value
+    mixes, biases; weight decay only with cfg.scalar_decay), "embedding" (the input
+    embedding) and "matrices" (every other 2-D weight, the output head included; with
+    cfg.width_scaled lr / rho and weight decay * rho, rho = d_model / 768). Each group keeps its
+    lr_scale and base weight decay, which `schedule` reads every step."""
+    rho = d_model / WIDTH_BASE if cfg.width_scaled else 1.0
+    embedding = model.get_input_embeddings().weight
+    groups: dict[str, list[nn.Parameter]] = {"scalars": [], "embedding": [], "matrices": []}
+    for p in model.parameters():
+        if p is embedding:
+            groups["embedding"].append(p)
+        else:
+            groups["scalars" if p.dim() < 2 else "matrices"].append(p)
+    scale = {"scalars": (1.0, cfg.weight_decay if cfg.scalar_decay else 0.0),
+             "embedding": (1.0, cfg.weight_decay),
+             "matrices": (1 / rho, cfg.weight_decay * rho)}  # fmt: skip
+    return [
+        {"params": params, "name": name, "lr_scale": scale[name][0], "decay": scale[name][1]}
+        for name, params in groups.items()
+        if params
+    ]
+
+
+def schedule(groups: list[dict[str, Any]], cfg: TrainConfig, step: int) -> float:
+    """Set each group's lr and weight decay for `step` (0-based); returns the peak lr times
+    the schedule's factor (`lr_factor`), the lr a run reports."""
+    factor = lr_factor(step, cfg.warmup, cfg.steps)
+    for group in groups:
+        group["lr"] = cfg.lr * factor * group["lr_scale"]
+        group["weight_decay"] = group["decay"] * (factor if cfg.decay_follows_lr else 1.0)
+    return cfg.lr * factor
 
 
 @dataclass(frozen=True)
@@ -244,7 +318,8 @@ def _start(model_config: LongKVConfig, cfg: TrainConfig, out: Path, dtype: torch
     torch.manual_seed(cfg.seed)
     model = LongKVForCausalLM(model_config).to(device=device, dtype=dtype)
     net = distribute(model, cfg.parallel, size, device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    groups = param_groups(model, cfg, model_config.d_model)
+    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas)
     autocast = torch.autocast(
         device.type, dtype=torch.bfloat16, enabled=cfg.amp and device.type == "cuda"
     )
@@ -274,10 +349,9 @@ def _step(run: _Run, train_rows: TrainingRows, step: int) -> dict[str, float]:
         loss = _next_token_loss(run.net, mine)
     run.optimizer.zero_grad(set_to_none=True)
     loss.backward()
-    nn.utils.clip_grad_norm_(run.model.parameters(), cfg.grad_clip)
-    lr = cfg.lr * lr_factor(step, cfg.warmup, cfg.steps)
-    for group in run.optimizer.param_groups:
-        group["lr"] = lr
+    if cfg.grad_clip is not None:
+        nn.utils.clip_grad_norm_(run.model.parameters(), cfg.grad_clip)
+    lr = schedule(run.optimizer.param_groups, cfg, step)
     run.optimizer.step()
     return {"step": step + 1, "loss": _mean_over_ranks(loss.detach(), run.size), "lr": lr}
 

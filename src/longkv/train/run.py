@@ -102,7 +102,7 @@ class RunSections:
         return cls(
             model=run.get("model") or {},
             data=settings_from_section(DataConfig, "data", run.get("data") or {}),
-            train=settings_from_section(TrainConfig, "train", run.get("train") or {}),
+            train=TrainConfig.from_section(run.get("train") or {}),
             out=Path(run.get("out_dir", "runs/longkv")),
         )
 
