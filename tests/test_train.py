@@ -235,3 +235,9 @@ def test_the_default_recipe_decays_every_parameter_and_a_bad_recipe_is_refused()
         TrainConfig.from_section({"recipe": "adam"})
     with pytest.raises(ValueError, match=r"TrainConfig\.grad_clip: must be > 0 \(or null"):
         TrainConfig(grad_clip=0.0)
+
+
+def test_training_with_checkpointed_blocks_gives_the_same_run(tmp_path: Path) -> None:
+    plain = train(CONFIG, CFG, ROWS, ROWS[:16], tmp_path / "a")
+    checkpointed = train(CONFIG, replace(CFG, checkpointing=True), ROWS, ROWS[:16], tmp_path / "b")
+    assert untimed(checkpointed) == untimed(plain)

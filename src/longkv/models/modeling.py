@@ -241,6 +241,7 @@ class LongKVPreTrainedModel(PreTrainedModel):
 
     config_class = LongKVConfig
     base_model_prefix = "model"
+    supports_gradient_checkpointing = True  # per block (`LongKVModel.forward`)
     _no_split_modules: ClassVar[list[str]] = ["Block"]
     _can_record_outputs: ClassVar[dict[str, Any]] = {"hidden_states": Block}
 
@@ -260,7 +261,12 @@ class LongKVPreTrainedModel(PreTrainedModel):
 
 
 class LongKVModel(LongKVPreTrainedModel):
-    """The backbone: token embedding, blocks, final LayerNorm -> hidden states."""
+    """The backbone: token embedding, blocks, final LayerNorm -> hidden states.
+
+    `activation_checkpointing_enable()` (transformers') makes training keep only each block's
+    input and recompute the block in the backward pass."""
+
+    gradient_checkpointing = False  # set by transformers' activation_checkpointing_enable
 
     def __init__(self, config: LongKVConfig) -> None:
         super().__init__(config)
@@ -303,11 +309,15 @@ class LongKVModel(LongKVPreTrainedModel):
         check_unpadded(attention_mask)
         check_positions(position_ids, cache.seen, x.shape[1])
         v_first: Tensor | None = None
+        recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for block, layer in zip(self.layers, cache.layers, strict=True):
-            # the cache keeps only the new state: the old one's buffers are reused in place
-            x, layer.mixer, layer.last_input, v = block(
-                x, layer.mixer, layer.last_input, v_first, donate=True
-            )
+            args = (x, layer.mixer, layer.last_input, v_first)
+            if recompute:  # the backward pass runs the block again on the same given state:
+                # it must find it as it was (donate=False)
+                out = self._gradient_checkpointing_func(block.__call__, *args, False)
+            else:  # the cache keeps only the new state: the old one's buffers are reused
+                out = block(*args, donate=True)
+            x, layer.mixer, layer.last_input, v = out
             v_first = v if v_first is None else v_first
         cache.seen += x.shape[1]
         return BaseModelOutputWithPast(

@@ -66,6 +66,7 @@ class TrainConfig:
     scalar_decay: bool = True  # weight decay on 1-D parameters (norms, temperatures, biases)
     decay_follows_lr: bool = False  # weight decay scaled by lr_t / lr_peak every step
     width_scaled: bool = False  # matrices: lr / rho and weight_decay * rho, rho = d_model / 768
+    checkpointing: bool = False  # recompute each block in the backward pass (less memory)
     eval_every: int = 50
     eval_batches: int = 4
     checkpoint_every: int = 50
@@ -317,6 +318,8 @@ def _start(model_config: LongKVConfig, cfg: TrainConfig, out: Path, dtype: torch
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     model = LongKVForCausalLM(model_config).to(device=device, dtype=dtype)
+    if cfg.checkpointing:
+        model.activation_checkpointing_enable()
     net = distribute(model, cfg.parallel, size, device)
     groups = param_groups(model, cfg, model_config.d_model)
     optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas)
