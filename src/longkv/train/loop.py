@@ -67,6 +67,7 @@ class TrainConfig:
     decay_follows_lr: bool = False  # weight decay scaled by lr_t / lr_peak every step
     width_scaled: bool = False  # matrices: lr / rho and weight_decay * rho, rho = d_model / 768
     checkpointing: bool = False  # recompute each block in the backward pass (less memory)
+    compile: bool = False  # torch.compile each block's feed-forward half (`compile_feedforward`)
     eval_every: int = 50
     eval_batches: int = 4
     checkpoint_every: int = 50
@@ -147,6 +148,15 @@ def param_groups(model: nn.Module, cfg: TrainConfig, d_model: int) -> list[dict[
         for name, params in groups.items()
         if params
     ]
+
+
+def compile_feedforward(model: LongKVForCausalLM) -> None:
+    """torch.compile each block's feed-forward half (LayerNorm and MLP are one module each;
+    the MLP is compiled), as the paper's recipe compiles the FFN half. The mixers stay eager:
+    the KVM update's data-dependent merges break the graph, and compiling a tiny KVM block
+    took 170 s here against 5 s for the MLPs."""
+    for block in model.model.layers:
+        block.mlp.compile()
 
 
 def schedule(groups: list[dict[str, Any]], cfg: TrainConfig, step: int) -> float:
@@ -320,6 +330,8 @@ def _start(model_config: LongKVConfig, cfg: TrainConfig, out: Path, dtype: torch
     model = LongKVForCausalLM(model_config).to(device=device, dtype=dtype)
     if cfg.checkpointing:
         model.activation_checkpointing_enable()
+    if cfg.compile:
+        compile_feedforward(model)
     net = distribute(model, cfg.parallel, size, device)
     groups = param_groups(model, cfg, model_config.d_model)
     optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas)
