@@ -738,13 +738,15 @@ def test_ask_reads_stdin_and_uses_a_chat_template_when_the_tokenizer_has_one(
     )
     monkeypatch.setattr("sys.stdin", io.StringIO("The word is moss."))
     assert main(ask_argv(tiny_model, Path("-"), "--method", "full")) == 0
-    assert capsys.readouterr().out.endswith("\n")
+    read = len(prompt_ids(tokenizer, "The word is moss.", "What is the word?", chat=False))
+    assert f"{read} tokens read by full; answer:" in capsys.readouterr().err  # stdin, no template
 
 
 @pytest.mark.parametrize(
     ("extra", "said"),
     [
         (["--method", "full"], "argument --file: "),  # 600 words > 512 positions
+        (["--method", "full"], "pass --allow-extrapolation"),
         (
             ["--method", "kvm-fold", "--budgets", "64", "128", "--stream-chunk", "16"],
             "argument --budgets: ask reads",
@@ -763,6 +765,21 @@ def test_ask_reads_stdin_and_uses_a_chat_template_when_the_tokenizer_has_one(
                 "16",
             ],
             "argument --file: ",
+        ),
+        (
+            [
+                "--method",
+                "kvm-fold",
+                "--budgets",
+                "64",
+                "--kvm-open",
+                "4",
+                "--window",
+                "32",
+                "--stream-chunk",
+                "16",
+            ],
+            "(streaming, snapkv, kvm-fold without --kvm-open / open=0)",
         ),
         (["--sample", "--top-p", "0"], "argument --top-p: must lie in (0, 1]"),
     ],

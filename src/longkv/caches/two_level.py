@@ -121,6 +121,17 @@ def two_level_attention(
     return torch.softmax(logits, dim=-1) @ v
 
 
+def check_two_level_room(model: nn.Module, tokens: int, what: str) -> None:
+    """Refuse unless the model has positions for `tokens` (`what` takes them): two-level
+    KVM-Fold keeps every token at its own position and never runs past the model's; the
+    refusal points to the caches that place positions inside their budget."""
+    check_positions(
+        model, tokens, what,
+        switch="read it with a cache that places positions inside its budget (streaming, "
+        "snapkv, kvm-fold without --kvm-open / open=0)",
+    )  # fmt: skip
+
+
 class TwoLevelRunner(KVMFoldRunner):
     """KVM-Fold whose slots index the exact tokens they own (config.open > 0): the cache holds
     the bounded part (sinks, slot read-outs, window), the leaves live in a `LeafStore` per
@@ -294,8 +305,8 @@ class TwoLevelRunner(KVMFoldRunner):
 
     def check_room(self, tokens: int) -> None:
         """Every token keeps its position: refuse unless the model has positions for the
-        tokens read so far and `tokens` more."""
-        check_positions(self.model, self.seen + tokens, "the input read so far and to come")
+        tokens read so far and `tokens` more (`check_two_level_room`)."""
+        check_two_level_room(self.model, self.seen + tokens, "the input read so far and to come")
 
     def forward(self, ids: Tensor) -> Tensor:
         """Logits (B, L, V) of ids (B, L) at the next positions, after making room."""

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from longkv.caches.kvm_fold import KVMFoldRunner
 from longkv.caches.methods import make_runner, read_and_answer
-from longkv.caches.two_level import TwoLevelRunner
+from longkv.caches.two_level import TwoLevelRunner, check_two_level_room
 from longkv.checks import refuse, refused_as
 from longkv.evals.niah import ANSWER_BUDGET, NiahSample, answer_span, make_sample, sample_score
 from longkv.evals.niah_records import NiahRecord, NiahRun, NiahSettings
@@ -145,7 +145,7 @@ def check_grid(model: nn.Module, s: NiahSettings, allow_extrapolation: bool = Fa
     needed = n - ANSWER_BUDGET + s.max_new_tokens - 1
     if two_level:
         with refused_as(s, "lengths", f"{two_level[0]}: {{}}"):
-            check_positions(model, needed, f"{n} (the prompt, then the answer)")
+            check_two_level_room(model, needed, f"{n} (the prompt, then the answer)")
     if {"full", "fold"} & set(s.methods):
         inserted = (
             inserted_positions(s.variant, n - ANSWER_BUDGET, s.chunk_size)
