@@ -251,22 +251,27 @@ def ratios(r: BenchResult) -> dict[str, dict[str, Any]]:
     lo, hi = lengths[0], lengths[-1]
 
     def add(
-        name: str, value: float, target: str | None = None, start: int | None = None,
-        at: int | None = None,
+        name: str, value: float, target: tuple[str, float] | None = None,
+        start: int | None = None, at: int | None = None, note: str = "",
     ) -> None:  # fmt: skip
-        """A ratio measured at length `at`, against a target holding from `start` tokens."""
+        """A ratio measured at length `at`, against a target (op "<=" or ">=", bound) holding
+        from `start` tokens; `note` follows the bound on the page."""
+        if target is None:
+            out[name] = {"value": value, "target": None, "from": start, "met": None}
+            return
+        op, bound = target
         met = None
-        if target is not None and (start is None or at is None or at >= start):
-            op, bound = target.split()[:2]
-            met = value <= float(bound) if op == "<=" else value >= float(bound)
-        out[name] = {"value": value, "target": target, "from": start, "met": met}
+        if start is None or at is None or at >= start:
+            met = value <= bound if op == "<=" else value >= bound
+        said = f"{op} {bound:g}{note}"
+        out[name] = {"value": value, "target": said, "from": start, "met": met}
 
     for method in (m for m in s.methods if m in FLOOR_TARGETS):
         start, limit = FLOOR_TARGETS[method]
         for T in lengths:
             m = r.get(method, T)
             name = f"{method} prefill time / floor at {T}"
-            add(name, m.prefill_s / m.prefill_floor_s, f"<= {limit}", start, T)
+            add(name, m.prefill_s / m.prefill_floor_s, ("<=", limit), start, T)
     if "kvm_fixed" not in s.methods:
         return out
     fixed = {T: r.get("kvm_fixed", T) for T in lengths}
@@ -275,22 +280,27 @@ def ratios(r: BenchResult) -> dict[str, dict[str, Any]]:
         add(
             f"kvm_fixed prefill t({hi}) / t({prev})",
             fixed[hi].prefill_s / fixed[prev].prefill_s,
-            f"<= {1.125 * hi / prev:g} (linear)",
+            ("<=", 1.125 * hi / prev),
+            note=" (linear)",
         )
         add(
             f"kvm_fixed decode per token t({hi}) / t({lo})",
             fixed[hi].decode_s_per_token / fixed[lo].decode_s_per_token,
-            "<= 1.5",
+            ("<=", 1.5),
         )
     for T in lengths:
         if "full" in s.methods:
             speedup = r.get("full", T).prefill_s / fixed[T].prefill_s
-            add(f"full / kvm_fixed prefill at {T}", speedup, ">= 12", SPEEDUP_FROM, T)
+            add(f"full / kvm_fixed prefill at {T}", speedup, (">=", 12), SPEEDUP_FROM, T)
         if "bswa" in s.methods:
             bswa = r.get("bswa", T)
-            add(f"kvm_fixed / bswa prefill at {T}", fixed[T].prefill_s / bswa.prefill_s, "<= 2")
+            add(f"kvm_fixed / bswa prefill at {T}", fixed[T].prefill_s / bswa.prefill_s, ("<=", 2))
             slower = fixed[T].decode_s_per_token / bswa.decode_s_per_token
-            add(f"kvm_fixed / bswa decode per token at {T}", slower, "<= 1.5" if hi == T else None)
+            add(
+                f"kvm_fixed / bswa decode per token at {T}",
+                slower,
+                ("<=", 1.5) if hi == T else None,
+            )
     return out
 
 
