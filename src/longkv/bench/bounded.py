@@ -90,15 +90,28 @@ def cost_plot(nll: dict[str, Any], path: Path, title: str) -> None:
     finish_figure(fig, path, title)
 
 
+def by_outcome(
+    records: list[NiahRecord], key: str
+) -> dict[tuple[str, bool], list[dict[str, float]]]:
+    """The needle fates that hold `key`, by (method, answered right), sorted."""
+    groups: dict[tuple[str, bool], list[dict[str, float]]] = {}
+    for r in records:
+        if r.needle_fate is not None and key in r.needle_fate:
+            groups.setdefault((r.method, r.score == 1.0), []).append(r.needle_fate)
+    return dict(sorted(groups.items()))
+
+
+def section(title: str, intro: str, table: list[str]) -> list[str]:
+    """Page lines of a section: its heading, a paragraph, its table; none for a table with
+    no rows (a header and its rule only)."""
+    return ["", f"## {title}", "", intro, "", *table] if len(table) > 2 else []
+
+
 def fate_rows(records: list[NiahRecord]) -> list[str]:
     """Markdown: where each kvm-fold run put the tokens of the needles' answers, over the
     samples it answered right and those it missed."""
-    groups: dict[tuple[str, bool], list[dict[str, float]]] = {}
-    for r in records:
-        if r.needle_fate is not None:
-            groups.setdefault((r.method, r.score == 1.0), []).append(r.needle_fate)
     rows = []
-    for (method, right), fates in sorted(groups.items()):
+    for (method, right), fates in by_outcome(records, "exact").items():
         cells = [f"{100 * sum(f[k] for f in fates) / len(fates):.1f} %" for k in FATES]
         # over the samples where the answer founded slots at all (their mean is 0 elsewhere)
         sizes = [f["founded_slot_tokens"] for f in fates if f["founded"] > 0]
@@ -113,12 +126,8 @@ def route_rows(records: list[NiahRecord]) -> list[str]:
     (`TwoLevelRunner.needle_route`), over the samples each run answered right and those it
     missed: the share that had left the window, of those the share routed, and the median of
     their slots' median ranks."""
-    groups: dict[tuple[str, bool], list[dict[str, float]]] = {}
-    for r in records:
-        if r.needle_fate is not None and "left" in r.needle_fate:
-            groups.setdefault((r.method, r.score == 1.0), []).append(r.needle_fate)
     rows = []
-    for (method, right), routes in sorted(groups.items()):
+    for (method, right), routes in by_outcome(records, "left").items():
         left = sum(x["left"] for x in routes) / len(routes)
         gone = [x for x in routes if "routed" in x]  # some answer tokens had left the window
         routed = f"{100 * sum(x['routed'] for x in gone) / len(gone):.1f} %" if gone else "-"
@@ -157,30 +166,20 @@ def write_bounded_page(
     body += ["", "## Needles", "", "string_match_all (0-100) per task, method and length:", ""]
     body += [accuracy_table(niah), f"![heatmap]({stem.name}.png)", ""]
     body += [f"![accuracy against budget]({stem.name}_budget.png)"]
-    fates = fate_rows(niah.records)
-    if len(fates) > 2:
-        body += [
-            "",
-            "## Where kvm-fold put the needles' answer tokens",
-            "",
-            "Over layers, KV heads and the tokens that spell the (first) answer: still exact "
-            "(sink or window), founded a slot, merged into another token's slot, or dropped; and "
-            "how many tokens the slots they founded hold by the end.",
-            "",
-            *fates,
-        ]
-    routes = route_rows(niah.records)
-    if len(routes) > 2:
-        body += [
-            "",
-            "## How two-level KVM-Fold routed to the needles' answer tokens",
-            "",
-            "At the prompt's last query (the one that predicts the answer), over layers and query "
-            "heads: the share of the answer's tokens that had left the window, of those the share "
-            "whose slot the head opened, and the median rank of their slots (0: the head's best).",
-            "",
-            *routes,
-        ]
+    body += section(
+        "Where kvm-fold put the needles' answer tokens",
+        "Over layers, KV heads and the tokens that spell the (first) answer: still exact (sink "
+        "or window), founded a slot, merged into another token's slot, or dropped; and how many "
+        "tokens the slots they founded hold by the end.",
+        fate_rows(niah.records),
+    )
+    body += section(
+        "How two-level KVM-Fold routed to the needles' answer tokens",
+        "At the prompt's last query (the one that predicts the answer), over layers and query "
+        "heads: the share of the answer's tokens that had left the window, of those the share "
+        "whose slot the head opened, and the median rank of their slots (0: the head's best).",
+        route_rows(niah.records),
+    )
     paths = write_report(stem, title, payload, body)
     heatmap(niah, stem.with_suffix(".png"), title)
     budget = stem.parent / f"{stem.name}_budget.png"
