@@ -151,6 +151,26 @@ TINY_HF = dict(
 HF_ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
 
 
+def loss_and_grads(
+    model: torch.nn.Module, ids: Tensor, **kwargs: Any
+) -> tuple[float, list[Tensor]]:
+    """The next-token loss of ids (B, T) (labels ids; kwargs go to the forward, e.g. a cache)
+    and every parameter's gradient after its backward."""
+    loss = model(ids, labels=ids, **kwargs).loss
+    assert loss is not None
+    loss.backward()
+    return float(loss.detach()), [p.grad.clone() for p in model.parameters()]
+
+
+def assert_same_training(
+    a: tuple[float, list[Tensor]], b: tuple[float, list[Tensor]], tol: float
+) -> None:
+    """Two `loss_and_grads` results agree within tol, loss and every gradient."""
+    assert abs(a[0] - b[0]) <= tol, (a[0], b[0])
+    for x, y in zip(a[1], b[1], strict=True):
+        torch.testing.assert_close(x, y, rtol=0, atol=tol)
+
+
 def tiny_hf_config(arch: str = "llama", **overrides: Any) -> LlamaConfig | Qwen2Config:
     """A Llama or Qwen2 config of TINY_HF's shape, with overrides."""
     return HF_ARCHS[arch][0](**{**TINY_HF, **overrides})

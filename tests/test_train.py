@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from conftest import assert_same_training, loss_and_grads
 from longkv.models import LongKVConfig, LongKVForCausalLM
 from longkv.train.checkpoint import CHECKPOINT
 from longkv.train.loop import (
@@ -254,12 +255,6 @@ def test_compiled_feed_forward_halves_give_eager_loss_and_gradients() -> None:
         model = LongKVForCausalLM(CONFIG).train()
         if compiled:
             compile_feedforward(model)
-        loss = model(ids, labels=ids).loss
-        assert loss is not None
-        loss.backward()
-        return float(loss.detach()), [p.grad.clone() for p in model.parameters()]
+        return loss_and_grads(model, ids)
 
-    eager, compiled = run(False), run(True)
-    assert compiled[0] == pytest.approx(eager[0], abs=1e-5)
-    for a, b in zip(eager[1], compiled[1], strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    assert_same_training(run(False), run(True), 1e-5)
