@@ -52,7 +52,8 @@ class Sampler:
             scores = scores.masked_fill(scores < kth, float("-inf"))
         if self.top_p < 1:
             ranked, order = scores.sort(dim=-1, descending=True)
-            before = ranked.softmax(-1).cumsum(-1) - ranked.softmax(-1)  # mass of the likelier
+            p = ranked.softmax(-1)
+            before = p.cumsum(-1) - p  # the probability of the likelier tokens
             ranked = ranked.masked_fill(before >= self.top_p, float("-inf"))  # keeps the first
             scores = scores.scatter(-1, order, ranked)
         return scores.softmax(dim=-1)
