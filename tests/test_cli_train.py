@@ -138,7 +138,7 @@ def test_overrides_and_bad_runs(capsys: pytest.CaptureFixture[str]) -> None:
     assert str(refused.value).startswith(
         "model: unknown keys ['prest']; use ['bos_token_id', 'bswa_chunk_len',"
     )
-    assert "'preset', 'rope_base'" in str(refused.value)  # the preset and LongKVConfig's fields
+    assert "'preset', 'residual_scale', 'rope_base'" in str(refused.value)  # the preset and LongKVConfig's fields
 
 
 def test_training_without_a_corpus_says_which_setting_to_pass(
@@ -152,6 +152,22 @@ def test_training_without_a_corpus_says_which_setting_to_pass(
     for line in errors:
         assert line.startswith("longkv: error: no training corpus")
         assert "data.folder=PATH" in line and "LONGKV_CORPUS_DIR=PATH" in line
+
+
+def test_dry_run_prints_the_paper_models_counts_and_touches_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("LONGKV_CORPUS_DIR", raising=False)  # it needs no data
+    argv = ["train", "--config", str(CONFIG), "--dry-run", f"out_dir={tmp_path / 'run'}"]
+    assert main([*argv, "model.preset=paper_120m_kvm_sqrt16"]) == 0
+    assert main([*argv, "model.preset=paper_350m_kvm_swa_saturation"]) == 0
+    small, large = capsys.readouterr().out.splitlines()
+    assert small == (
+        "model paper_120m_kvm_sqrt16: 12 kvm layers, d_model 768, vocabulary 50304; parameters: "
+        "embedding 38.6M, head 38.6M, blocks 85.6M, total 162.9M"
+    )
+    assert "24 kvm/swa layers, d_model 1024" in large and "blocks 303.8M" in large
+    assert not any(tmp_path.iterdir())
 
 
 def test_bench_train_measures_every_variant(tmp_path: Path) -> None:

@@ -128,9 +128,10 @@ def test_each_ablation_switches_one_thing(ablation: str) -> None:
     assert (layer(x)[0] - base(x)[0]).abs().max() > 1e-6
 
 
+@pytest.mark.parametrize("rank", [0, 3])
 @pytest.mark.parametrize("kind", ["kvm", "full"])
-def test_token_shift_and_value_residual_follow_their_formulas(kind: str) -> None:
-    shell = replace(SHELL, token_shift=True, value_residual=True)
+def test_token_shift_and_value_residual_follow_their_formulas(kind: str, rank: int) -> None:
+    shell = replace(SHELL, token_shift=True, value_residual=True, value_residual_rank=rank)
     make = {"kvm": lambda c: KVMAttention(c, KVM), "full": FullAttention}[kind]
     layer = randomized(make(shell))
     plain = make(SHELL).double()
@@ -143,7 +144,12 @@ def test_token_shift_and_value_residual_follow_their_formulas(kind: str) -> None
     q, _, _ = plain.project(x, 0)
     _, k, _ = plain.project(x + layer.shift_k * (x_prev - x), 0)
     _, _, v_own = plain.project(x + layer.shift_v * (x_prev - x), 0)
-    lam = torch.sigmoid(layer.value_mix).view(1, 2, 1, 1)
+    if rank:  # per channel: sigmoid(v0 + x A B), (B, T, Hkv * D) -> (B, Hkv, T, D)
+        assert layer.value_gate is not None and layer.value_mix.shape == (16,)
+        A, B = (m.weight.T for m in layer.value_gate)
+        lam = torch.sigmoid(layer.value_mix + x @ A @ B).view(2, 30, 2, 8).transpose(1, 2)
+    else:  # per KV head
+        lam = torch.sigmoid(layer.value_mix).view(1, 2, 1, 1)
     out, ref_state = plain.mix(q, k, (1 - lam) * v_own + lam * v_first, x, None)
     assert_close(v, v_own)
     assert_close(y, plain.o_proj(out.transpose(1, 2).reshape(2, 30, -1)))

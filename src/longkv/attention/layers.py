@@ -33,7 +33,9 @@ class AttentionConfig:
     rope_dim None = the whole head (KV-Means layers take it from their KVMConfig instead).
     token_shift: keys and values are projected from x_t + mu * (x_{t-1} - x_t), mu learned per
     channel (init 0.5; x_{-1} = 0). value_residual: values become v + lam * (v_first - v), with
-    v_first the first layer's values and lam = sigmoid(a) learned per KV head (init 0.5).
+    v_first the first layer's values and lam = sigmoid(a) learned per KV head (init 0.5), or
+    with value_residual_rank r > 0 per channel, lam = sigmoid(v0 + x A B) through a rank-r gate
+    of the layer's input x (the KVM paper's; v0 falls from 0.93 to 0.53 across the channels).
     """
 
     d_model: int
@@ -46,9 +48,11 @@ class AttentionConfig:
     bias: bool = False
     token_shift: bool = False
     value_residual: bool = False
+    value_residual_rank: int = 0
 
     def __post_init__(self) -> None:
         require_at_least(1, self, "d_model", "n_heads")
+        require_at_least(0, self, "value_residual_rank")
         require(
             self.kv_heads >= 1 and self.n_heads % self.kv_heads == 0,
             self,
@@ -103,7 +107,16 @@ class AttentionLayer(nn.Module):
         shift = config.token_shift
         self.shift_k = nn.Parameter(torch.full((config.d_model,), 0.5)) if shift else None
         self.shift_v = nn.Parameter(torch.full((config.d_model,), 0.5)) if shift else None
-        self.value_mix = nn.Parameter(torch.zeros(Hkv)) if config.value_residual else None
+        self.value_mix: nn.Parameter | None = None  # a per KV head, or v0 per channel
+        self.value_gate: nn.Sequential | None = None  # x -> x A B, rank value_residual_rank
+        if config.value_residual and config.value_residual_rank:
+            channel = torch.linspace(0, 1, Hkv * D)
+            self.value_mix = nn.Parameter(0.73 - 0.4 * (channel - 0.5))
+            r = config.value_residual_rank
+            linears = nn.Linear(config.d_model, r, bias=False), nn.Linear(r, Hkv * D, bias=False)
+            self.value_gate = nn.Sequential(*linears)
+        elif config.value_residual:
+            self.value_mix = nn.Parameter(torch.zeros(Hkv))
 
     def project(
         self, x: Tensor, start: int, x_prev: Tensor | None = None
@@ -172,7 +185,11 @@ class AttentionLayer(nn.Module):
                     "v_first: a value_residual layer needs the first layer's values, shaped like "
                     f"{tuple(v.shape)}; got {None if v_first is None else tuple(v_first.shape)}"
                 )
-            lam = torch.sigmoid(self.value_mix).view(1, -1, 1, 1).to(v.dtype)  # autocast: v's
+            if self.value_gate is None:  # per KV head
+                lam = torch.sigmoid(self.value_mix).view(1, -1, 1, 1).to(v.dtype)  # autocast: v's
+            else:  # per channel, (B, T, Hkv * D) -> (B, Hkv, T, D)
+                gate = torch.sigmoid(self.value_mix + self.value_gate(x)).to(v.dtype)
+                lam = gate.view(*x.shape[:2], *v.shape[1::2]).transpose(1, 2)
             mixed_v = v + lam * (v_first - v)
         out, state = self.mix(q, k, mixed_v, x, state, donate)
         B, T, _ = x.shape

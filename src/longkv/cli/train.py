@@ -25,7 +25,7 @@ from longkv.train.compare import compare_runs
 from longkv.train.data import document_files, split_every
 from longkv.train.loop import METRICS_FILE, Interrupted, evaluate, world
 from longkv.train.report import RUN_FILE
-from longkv.train.run import RunSections, finished_run, load_run, train_run
+from longkv.train.run import RunSections, describe_model, finished_run, load_run, train_run
 from longkv.train.tokenizer import load_tokenizer, train_bpe
 
 
@@ -36,6 +36,15 @@ class RunOptions:
     config: str | None = setting(None, "YAML run file, e.g. configs/tiny_kvm.yaml", required=True)
     overrides: tuple[str, ...] = setting(
         (), "key=value entries over the run's, e.g. train.steps=10", positional=True
+    )
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """`longkv train`."""
+
+    dry_run: bool = setting(
+        False, "print the run's model and its parameter counts, then stop (no data, no weights)"
     )
 
 
@@ -107,7 +116,7 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
             formatter_class=HelpFormatter,
         )
     run, *settings = {
-        "train": (run_train, RunOptions),
+        "train": (run_train, RunOptions, TrainOptions),
         "eval-loss": (run_eval, RunOptions, EvalOptions),
         "generate": (run_generate, GenerateOptions),
         "compare-runs": (run_compare, CompareOptions),
@@ -119,6 +128,9 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
 def run_train(args: argparse.Namespace, argv: list[str]) -> int:
     o = args.settings[RunOptions]
     sections = RunSections.of(load_run(o.config, list(o.overrides)))
+    if args.settings[TrainOptions].dry_run:
+        print(describe_model(sections))
+        return 0
     out = sections.out
     rank, command = world()[0], shlex.join(["longkv", *argv])
     try:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import fields
+from collections.abc import Callable
+from dataclasses import asdict, fields
 from typing import Any, ClassVar
 
 from transformers import PreTrainedConfig
@@ -29,7 +30,11 @@ class LongKVConfig(PreTrainedConfig):
     after the first layer). Pre-LayerNorm blocks, qk LayerNorm (attention layers),
     RoPE (the first kvm.rope_dim channels in kvm layers, `rope_dim` elsewhere, None = all),
     ReLU^2 MLP of mlp_ratio * d_model, untied output head. token_shift and value_residual: the
-    optional shell features of AttentionConfig (value residual in every layer after the first).
+    optional shell features of AttentionConfig (value residual in every layer after the first;
+    value_residual_rank 0: a learned mix per KV head, r > 0: per channel through a rank-r
+    gate). residual_scale: each block adds residual_scale * mixer and residual_scale * MLP;
+    embed_norm: a LayerNorm after the token embedding; vocab_multiple: vocab_size is rounded up
+    to a multiple of it (the paper's 50304 for GPT-2's 50257 tokens at 64).
     n_kv_heads None is stored as n_heads. bos/eos/pad_token_id: the tokenizer's special tokens,
     which the model's generation_config takes (generation stops at eos by default).
     transformers' usual names read and write the same fields (`attribute_map`): hidden_size,
@@ -65,12 +70,18 @@ class LongKVConfig(PreTrainedConfig):
         mlp_ratio: int = 4,
         token_shift: bool = False,
         value_residual: bool = False,
+        value_residual_rank: int = 0,
+        residual_scale: float = 1.0,
+        embed_norm: bool = False,
+        vocab_multiple: int = 1,
         bos_token_id: int | None = None,
         eos_token_id: int | None = None,
         pad_token_id: int | None = None,
         **kwargs: Any,
     ) -> None:
-        self.vocab_size = vocab_size
+        multiple = max(vocab_multiple, 1)  # validate_longkv refuses one below 1
+        self.vocab_size = -(-vocab_size // multiple) * multiple
+        self.vocab_multiple = vocab_multiple
         self.d_model = d_model
         self.n_layers = n_layers
         self.n_heads = n_heads
@@ -89,6 +100,9 @@ class LongKVConfig(PreTrainedConfig):
         self.mlp_ratio = mlp_ratio
         self.token_shift = token_shift
         self.value_residual = value_residual
+        self.value_residual_rank = value_residual_rank
+        self.residual_scale = residual_scale
+        self.embed_norm = embed_norm
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
@@ -99,8 +113,13 @@ class LongKVConfig(PreTrainedConfig):
     def validate_longkv(self) -> None:
         """Raise ValueError naming the field and the fix for any inconsistent setting."""
         require_at_least(
-            1, self, "vocab_size", "n_layers", "mlp_ratio", "swa_window",
+            1, self, "vocab_size", "vocab_multiple", "n_layers", "mlp_ratio", "swa_window",
             "bswa_chunk_len", "bswa_window_chunks", "rwkv_chunk_len",
+        )  # fmt: skip
+        require_at_least(0, self, "value_residual_rank")
+        require(
+            self.residual_scale > 0, self, "residual_scale",
+            f"must be > 0, got {self.residual_scale!r}",
         )  # fmt: skip
         require(
             self.mixer in MIXERS,
@@ -157,6 +176,7 @@ class LongKVConfig(PreTrainedConfig):
             rope_base=self.rope_base,
             token_shift=self.token_shift,
             value_residual=self.value_residual and layer > 0,
+            value_residual_rank=self.value_residual_rank,
         )
 
     def rwkv7_config(self, layer: int = 0) -> RWKV7Config:
@@ -197,20 +217,44 @@ class LongKVConfig(PreTrainedConfig):
         return cls._from_preset(base, overrides)
 
     @classmethod
-    def paper_120m(cls, mixer: str = "kvm", **overrides: Any) -> LongKVConfig:
-        """12 layers, d=768, 12 heads of 64 (GPT-2 small shape), the paper's KVM sqrt layer."""
-        return cls._paper(mixer, 768, 12, 12, overrides)
-
-    @classmethod
-    def paper_350m(cls, mixer: str = "kvm", **overrides: Any) -> LongKVConfig:
-        """24 layers, d=1024, 16 heads of 64 (GPT-2 medium shape), the paper's KVM sqrt layer."""
-        return cls._paper(mixer, 1024, 24, 16, overrides)
-
-    @classmethod
-    def _paper(
-        cls, mixer: str, d_model: int, n_layers: int, n_heads: int, overrides: dict[str, Any]
-    ) -> LongKVConfig:
-        sqrt = KVMConfig.paper_sqrt(rope_dim=32)  # half of a 64-channel head
-        kvm = {f.name: getattr(sqrt, f.name) for f in fields(KVMConfig)}
-        base = dict(d_model=d_model, n_layers=n_layers, n_heads=n_heads, mixer=mixer, kvm=kvm)
+    def paper(cls, size: str = "120m", model: str = "kvm_sqrt16", **overrides: Any) -> LongKVConfig:
+        """One of the KVM paper's models (spec training.md 1.5): `size` in PAPER_SIZES (120m: 12
+        layers, d=768; 350m: 24 layers, d=1024, residual scale 0.5; 128-channel heads, FFN 4d)
+        and `model` in PAPER_MODELS, on the paper's backbone (embedding LayerNorm, token
+        shift, value residual with a rank-32 gate, GPT-2's vocabulary padded to 50304)."""
+        require(size in PAPER_SIZES, None, "size", f"choose from {sorted(PAPER_SIZES)}")
+        require(model in PAPER_MODELS, None, "model", f"choose from {sorted(PAPER_MODELS)}")
+        shape = PAPER_SIZES[size]
+        base: dict[str, Any] = dict(
+            vocab_size=50304, vocab_multiple=64, mlp_ratio=4, token_shift=True,
+            value_residual=True, value_residual_rank=32, embed_norm=True, **shape,
+            **PAPER_MODELS[model](shape["n_layers"]),
+        )  # fmt: skip
         return cls._from_preset(base, overrides)
+
+
+def _kvm(config: KVMConfig, **fields: Any) -> dict[str, Any]:
+    """A model's fields for kvm layers of `config`."""
+    return dict(kvm=asdict(config), **fields)
+
+
+# The KVM paper's model sizes and models (training.md 1.5), as LongKVConfig fields: each model
+# a function of the layer count. RoPE: 64 of 128 channels in kvm, full and bswa layers, all of
+# them in the swa layers of the hybrid (its even layers).
+PAPER_SIZES: dict[str, dict[str, Any]] = {
+    "120m": dict(d_model=768, n_layers=12, n_heads=6, residual_scale=1.0),
+    "350m": dict(d_model=1024, n_layers=24, n_heads=8, residual_scale=0.5),
+}
+PAPER_MODELS: dict[str, Callable[[int], dict[str, Any]]] = {
+    "kvm_fixed": lambda n: _kvm(KVMConfig.paper_fixed(), mixer="kvm"),
+    "kvm_sqrt16": lambda n: _kvm(KVMConfig.paper_sqrt(), mixer="kvm"),
+    "kvm_swa_saturation": lambda n: _kvm(
+        KVMConfig.paper_saturation(),
+        layout=["swa", "kvm"] * (n // 2) + ["swa"] * (n % 2),
+        swa_window=256,
+        rope_dim=None,
+    ),
+    "full": lambda n: dict(mixer="full", rope_dim=64),
+    "bswa": lambda n: dict(mixer="bswa", bswa_chunk_len=256, bswa_window_chunks=3, rope_dim=64),
+    "rwkv7": lambda n: dict(mixer="rwkv7"),
+}

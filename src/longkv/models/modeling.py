@@ -160,7 +160,7 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """x + mixer(LN(x)), then x + MLP(LN(x))."""
+    """x + s * mixer(LN(x)), then x + s * MLP(LN(x)), s = config.residual_scale."""
 
     def __init__(self, config: LongKVConfig, kind: str, layer: int) -> None:
         super().__init__()
@@ -169,6 +169,7 @@ class Block(nn.Module):
         self.norm2 = nn.LayerNorm(config.d_model)
         self.mlp = MLP(config.d_model, config.mlp_ratio * config.d_model)
         self.token_shift = config.token_shift or kind == "rwkv7"  # RWKV-7 always shifts
+        self.residual_scale = config.residual_scale
 
     def forward(
         self,
@@ -192,9 +193,10 @@ class Block(nn.Module):
         mixed, state, v = self.mixer.forward_with_values(
             h, state, x_prev=h_prev, v_first=v_first, donate=donate
         )
-        x = x + mixed
+        s = self.residual_scale
+        x = x + s * mixed
         last = h[:, -1] if self.token_shift else None
-        return x + self.mlp(self.norm2(x)), state, last, v
+        return x + s * self.mlp(self.norm2(x)), state, last, v
 
 
 def check_unpadded(attention_mask: Tensor | None) -> None:
@@ -261,7 +263,8 @@ class LongKVPreTrainedModel(PreTrainedModel):
 
 
 class LongKVModel(LongKVPreTrainedModel):
-    """The backbone: token embedding, blocks, final LayerNorm -> hidden states.
+    """The backbone: token embedding (and LayerNorm with config.embed_norm), blocks, final
+    LayerNorm -> hidden states.
 
     `activation_checkpointing_enable()` (transformers') makes training keep only each block's
     input and recompute the block in the backward pass."""
@@ -271,6 +274,7 @@ class LongKVModel(LongKVPreTrainedModel):
     def __init__(self, config: LongKVConfig) -> None:
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
+        self.embed_norm = nn.LayerNorm(config.d_model) if config.embed_norm else nn.Identity()
         self.layers = nn.ModuleList(
             Block(config, kind, layer) for layer, kind in enumerate(config.mixers)
         )
@@ -299,6 +303,7 @@ class LongKVModel(LongKVPreTrainedModel):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("input_ids, inputs_embeds: pass exactly one of them")
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        x = self.embed_norm(x)
         if cache is None:
             cache = LongKVCache(len(self.layers))
         elif not isinstance(cache, LongKVCache):
@@ -333,6 +338,15 @@ class LongKVForCausalLM(LongKVPreTrainedModel, GenerationMixin):
         self.model = LongKVModel(config)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.post_init()
+
+    def parameter_counts(self) -> dict[str, int]:
+        """Parameters: `embedding` (the token embedding), `head` (the output head), `blocks`
+        (all the others, the paper's "block params") and `total`."""
+        total = sum(p.numel() for p in self.parameters())
+        embedding = self.model.embed_tokens.weight.numel()
+        head = self.lm_head.weight.numel()
+        blocks = total - embedding - head
+        return {"embedding": embedding, "head": head, "blocks": blocks, "total": total}
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:

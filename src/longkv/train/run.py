@@ -10,6 +10,8 @@ the same way under `longkv train`, `longkv study` and `longkv bench train`.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,7 @@ import yaml
 
 from longkv.checks import require, require_known_keys, settings_from_section
 from longkv.models import LongKVConfig, LongKVForCausalLM
+from longkv.models.config import PAPER_MODELS, PAPER_SIZES
 from longkv.results import provenance, write_atomic
 from longkv.train.checkpoint import describe, differences
 from longkv.train.data import DataConfig, pack_texts, packed_corpus, split_texts
@@ -26,10 +29,14 @@ from longkv.train.loop import MODEL_FIELDS, TrainConfig, run_settings, train
 from longkv.train.report import PROVENANCE, RUN_FILE, record_provenance
 from longkv.train.tokenizer import load_tokenizer
 
-PRESETS = {
+# tiny, and the paper's models by size and model: paper_120m_kvm_fixed, paper_350m_full, ...
+PRESETS: dict[str, Callable[..., LongKVConfig]] = {
     "tiny": LongKVConfig.tiny,
-    "paper_120m": LongKVConfig.paper_120m,
-    "paper_350m": LongKVConfig.paper_350m,
+    **{
+        f"paper_{size}_{model}": functools.partial(LongKVConfig.paper, size, model)
+        for size in PAPER_SIZES
+        for model in PAPER_MODELS
+    },
 }
 SECTIONS = ("model", "data", "train", "out_dir")
 
@@ -127,6 +134,20 @@ def train_run(s: RunSections, argv: list[str] | None, rank: int) -> list[dict[st
         tokenizer.save_pretrained(s.out / "model")  # generate finds it beside the weights
         write_atomic(s.out / RUN_FILE, yaml.safe_dump(s.recorded(), sort_keys=False))
     return metrics
+
+
+def describe_model(s: RunSections) -> str:
+    """The run's model, built without weights (on the meta device): its preset, layers and
+    parameter counts (`LongKVForCausalLM.parameter_counts`), in millions."""
+    config = model_config(s.model, load_tokenizer(s.data.tokenizer))
+    with torch.device("meta"):
+        counts = LongKVForCausalLM(config).parameter_counts()
+    sizes = ", ".join(f"{name} {n / 1e6:.1f}M" for name, n in counts.items())
+    layers = "/".join(sorted(set(config.mixers)))
+    return (
+        f"model {s.model.get('preset', 'tiny')}: {config.n_layers} {layers} layers, d_model "
+        f"{config.d_model}, vocabulary {config.vocab_size}; parameters: {sizes}"
+    )
 
 
 @dataclass(frozen=True)
