@@ -51,6 +51,29 @@ def test_interrupted_and_resumed_run_equals_an_uninterrupted_one(tmp_path: Path)
     assert (tmp_path / "b" / "metrics.csv").read_text().count("\n") == 7
 
 
+def test_bf16_parameters_train_float32_master_weights_and_resume_exactly(tmp_path: Path) -> None:
+    """precision bf16: the checkpointed weights are float32 and take updates too small for
+    bfloat16 (lr 1e-5 moves no weight by a bf16 step), a resumed run equals an uninterrupted
+    one, and the losses follow float32 training's."""
+    cfg = replace(CFG, precision="bf16")
+    whole = train(CONFIG, cfg, ROWS, ROWS[:16], tmp_path / "a")
+    train(CONFIG, cfg, ROWS, ROWS[:16], tmp_path / "b", stop_after=3)
+    assert untimed(train(CONFIG, cfg, ROWS, ROWS[:16], tmp_path / "b")) == untimed(whole)
+    fp32 = train(CONFIG, CFG, ROWS, ROWS[:16], tmp_path / "c")
+    assert all(abs(a["loss"] - b["loss"]) < 0.05 for a, b in zip(whole, fp32, strict=True))
+    slow = replace(cfg, steps=1, warmup=0, lr=1e-5, weight_decay=0.0)
+    train(CONFIG, slow, ROWS, ROWS[:16], tmp_path / "d")
+    torch.manual_seed(slow.seed)
+    start = LongKVForCausalLM(CONFIG).state_dict()
+    trained = torch.load(tmp_path / "d" / CHECKPOINT, weights_only=False)["model"]
+    assert all(trained[name].dtype == torch.float32 for name in start)
+    after, before = (torch.cat([w[n].flatten() for n in start]) for w in (trained, start))
+    moved = after != before
+    unseen_in_bf16 = after.bfloat16() == before.bfloat16()
+    assert moved.float().mean() > 0.9  # Adam moves nearly every weight by about lr
+    assert (moved & unseen_in_bf16).sum() > moved.sum() / 2  # mostly below bf16's spacing
+
+
 def test_a_run_whose_rows_fit_the_kvm_window_resumes_exactly(tmp_path: Path) -> None:
     rows = ROWS[:, :9]  # seq_len 8 = chunk_len * window_chunks: no merge, the gates get no grad
     whole = train(CONFIG, CFG, rows, rows[:16], tmp_path / "a")

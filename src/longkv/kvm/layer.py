@@ -81,23 +81,27 @@ class KVMAttention(AttentionLayer):
         self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, state: KVMState | None,
         donate: bool = False,
     ) -> tuple[Tensor, KVMState]:  # fmt: skip
-        """kvm_attention with this layer's gates and parameters, taken in q's dtype: under
-        autocast the projections give bfloat16 while the parameters stay float32 (the cast
-        passes their gradients back)."""
+        """kvm_attention with this layer's gates and parameters in at least float32, autocast
+        off: the state's sums, counts and norms stay float32 under bf16 autocast or bf16
+        parameters (in bf16 a count stops at 256 and a sum of many keys loses their
+        differences); the output returns in q's dtype. The casts pass gradients back."""
+        wide = torch.promote_types(q.dtype, torch.float32)
 
-        def like_q(t: Tensor | None) -> Tensor | None:
-            return None if t is None else t.to(q.dtype)
+        def wide_(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t.to(wide)
 
-        return kvm_attention(
-            q,
-            k,
-            v,
-            self.kvm,
-            gate=like_q(self.merge_gates(x)),
-            state=state,
-            norm_weight=like_q(self.state_norm.weight),
-            norm_bias=like_q(self.state_norm.bias),
-            window_temp=like_q(self.window_temp),
-            state_temp=like_q(self.state_temp),
-            donate=donate,
-        )
+        with torch.autocast(q.device.type, enabled=False):
+            out, state = kvm_attention(
+                q.to(wide),
+                k.to(wide),
+                v.to(wide),
+                self.kvm,
+                gate=wide_(self.merge_gates(x)),
+                state=state,
+                norm_weight=wide_(self.state_norm.weight),
+                norm_bias=wide_(self.state_norm.bias),
+                window_temp=wide_(self.window_temp),
+                state_temp=wide_(self.state_temp),
+                donate=donate,
+            )
+        return out.to(q.dtype), state

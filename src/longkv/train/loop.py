@@ -5,13 +5,15 @@ The batch of step s is a function of (seed, s) alone and its learning rate a fun
 replays exactly the steps it would have taken. Under torchrun each rank takes its slice of the
 global batch; DistributedDataParallel averages the gradients, or FSDP (`fully_shard` per block)
 shards parameters, gradients and optimizer state. Each process uses the GPU of its LOCAL_RANK
-when CUDA is available (bf16 autocast unless amp=False), else the CPU in the model's dtype.
+when CUDA is available, else the CPU, in the arithmetic of `TrainConfig.precision`
+(`PRECISIONS`).
 Training rows are token rows, scored on every next token, or `LabelledRows`, scored on their
 labelled tokens only (the answers of MQAR rows, say).
 """
 
 from __future__ import annotations
 
+import copy
 import csv
 import importlib.util
 import inspect
@@ -73,7 +75,7 @@ class TrainConfig:
     checkpoint_every: int = 50
     seed: int = 0
     parallel: str = "ddp"  # under torchrun: "ddp" or "fsdp"
-    amp: bool = True  # bf16 autocast on CUDA (CPU runs stay in the model's dtype)
+    precision: str = "auto"  # PRECISIONS: the arithmetic of the steps
 
     def __post_init__(self) -> None:
         at_least_one = ("steps", "batch_size", "eval_every", "eval_batches", "checkpoint_every")
@@ -95,6 +97,12 @@ class TrainConfig:
             "parallel",
             f"must be 'ddp' or 'fsdp', got {self.parallel!r}",
         )
+        require_known(self, "precision", [self.precision], list(PRECISIONS))
+        require(
+            self.precision != "bf16" or self.parallel == "ddp", self, "precision",
+            "bf16 parameters with float32 master weights run on one process or under ddp; "
+            "with fsdp use bf16-autocast",
+        )  # fmt: skip
 
     @classmethod
     def from_section(cls, values: dict[str, Any]) -> TrainConfig:
@@ -106,6 +114,16 @@ class TrainConfig:
             require_known(None, "train.recipe", [name], list(RECIPES))
             values = {**RECIPES[name], **values}
         return settings_from_section(cls, "train", values)
+
+
+# how the steps compute (TrainConfig.precision)
+PRECISIONS = {
+    "auto": "bf16-autocast on CUDA, fp32 on the CPU",
+    "fp32": "the model's dtype (float32 unless the caller gives another)",
+    "bf16-autocast": "float32 parameters, matmuls in bfloat16 under torch.autocast",
+    "bf16": "bfloat16 parameters and activations, AdamW on float32 master weights (the "
+    "paper's): each step copies the masters into the bf16 model and its gradients back",
+}
 
 
 # named optimisation recipes for `train: {recipe: NAME}`; kvm_paper: the KVM paper's (spec
@@ -303,22 +321,46 @@ def tensorboard_writer(out: Path, first_step: int) -> Any:
 @dataclass(frozen=True)
 class _Run:
     """What every step of one `train` call uses: this process's place among the ranks, its
-    device, the model, the module the steps run through (the model, DDP or FSDP), AdamW and
-    the autocast context."""
+    device, the model (float32 under every precision: the weights AdamW updates, checkpoints
+    and saves), the model the steps compute with (the model itself, or its bfloat16 copy under
+    precision bf16), the module they run through (that, DDP or FSDP), AdamW and the autocast
+    context."""
 
     cfg: TrainConfig
     rank: int
     size: int
     device: torch.device
     model: LongKVForCausalLM
+    work: LongKVForCausalLM
     net: nn.Module
     optimizer: torch.optim.Optimizer
     autocast: torch.autocast
 
+    @torch.no_grad()
+    def load_work(self) -> None:
+        """Copy the model's weights into the working copy (rounded to bfloat16), if it has one."""
+        if self.work is not self.model:
+            for w, p in zip(self.work.parameters(), self.model.parameters(), strict=True):
+                w.copy_(p)
+
+    def take_gradients(self) -> None:
+        """The working copy's gradients, widened, become the model's (if it has a copy)."""
+        if self.work is not self.model:
+            for w, p in zip(self.work.parameters(), self.model.parameters(), strict=True):
+                p.grad = None if w.grad is None else w.grad.to(p.dtype)
+                w.grad = None
+
+
+def compute_precision(precision: str, device: torch.device) -> str:
+    """The precision the steps use on device: `auto` resolved (`PRECISIONS`)."""
+    if precision == "auto":
+        return "bf16-autocast" if device.type == "cuda" else "fp32"
+    return precision
+
 
 def _start(model_config: LongKVConfig, cfg: TrainConfig, out: Path, dtype: torch.dtype) -> _Run:
     """Join the process group under torchrun, make out, and build the model (seeded with
-    cfg.seed), its distributed wrapper and AdamW on this process's device."""
+    cfg.seed), its working copy, its distributed wrapper and AdamW on this process's device."""
     rank, size = world()
     device = train_device()
     if size > 1 and not dist.is_initialized():
@@ -328,17 +370,19 @@ def _start(model_config: LongKVConfig, cfg: TrainConfig, out: Path, dtype: torch
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     model = LongKVForCausalLM(model_config).to(device=device, dtype=dtype)
+    precision = compute_precision(cfg.precision, device)
+    work = copy.deepcopy(model).to(torch.bfloat16) if precision == "bf16" else model
     if cfg.checkpointing:
-        model.activation_checkpointing_enable()
+        work.activation_checkpointing_enable()
     if cfg.compile:
-        compile_feedforward(model)
-    net = distribute(model, cfg.parallel, size, device)
+        compile_feedforward(work)
+    net = distribute(work, cfg.parallel, size, device)
     groups = param_groups(model, cfg, model_config.d_model)
     optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas)
     autocast = torch.autocast(
-        device.type, dtype=torch.bfloat16, enabled=cfg.amp and device.type == "cuda"
+        device.type, dtype=torch.bfloat16, enabled=precision == "bf16-autocast"
     )
-    return _Run(cfg, rank, size, device, model, net, optimizer, autocast)
+    return _Run(cfg, rank, size, device, model, work, net, optimizer, autocast)
 
 
 def _resume(
@@ -360,10 +404,12 @@ def _step(run: _Run, train_rows: TrainingRows, step: int) -> dict[str, float]:
     local = cfg.batch_size // run.size
     rows = train_rows[batch_rows(step, len(train_rows), cfg.batch_size, cfg.seed)]
     mine = rows[run.rank * local : (run.rank + 1) * local].to(run.device)
+    run.optimizer.zero_grad(set_to_none=True)
+    run.load_work()
     with run.autocast:
         loss = _next_token_loss(run.net, mine)
-    run.optimizer.zero_grad(set_to_none=True)
     loss.backward()
+    run.take_gradients()
     if cfg.grad_clip is not None:
         nn.utils.clip_grad_norm_(run.model.parameters(), cfg.grad_clip)
     lr = schedule(run.optimizer.param_groups, cfg, step)
@@ -447,6 +493,7 @@ def train(
             t0 = time.perf_counter()
             row = _step(run, train_rows, step)
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+                run.load_work()
                 with run.autocast:
                     eval_loss = evaluate(run.net, held_out_rows, cfg.eval_batches, cfg.batch_size)
                 row["eval_loss"] = eval_loss
