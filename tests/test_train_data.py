@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gzip
 import sys
-import types
 from pathlib import Path
 from typing import Any
 
@@ -13,9 +12,11 @@ import pytest
 from longkv.data.corpus import BUNDLED_CORPUS
 from longkv.train.data import (
     DataConfig,
+    cram,
     dataset_texts,
     document_files,
     pack,
+    pack_texts,
     packed_corpus,
     split_every,
 )
@@ -81,33 +82,68 @@ def test_a_trained_bpe_round_trips_text_and_reloads(tmp_path: Path) -> None:
         train_bpe(docs, 256, tmp_path / "small")
 
 
-def test_dataset_text_is_split_and_packed(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[tuple[Any, ...]] = []
+TEXTS = [f"document {i}: " + "the cat sat on the mat. " * (5 + 3 * i) for i in range(12)]
+TEXTS[4] = "   "  # a blank row is no document
 
-    class Rows:
-        column_names = ("text", "id")
 
-        def __getitem__(self, key: str) -> list[str]:
-            return [f"row {i} " * 30 if i != 3 else "  " for i in range(10)]
+def dataset_sources(tmp_path: Path) -> dict[str, dict[str, Any]]:
+    """The same rows (column "body") as each kind of local dataset DataConfig.dataset reads."""
+    datasets = pytest.importorskip("datasets")
+    rows = datasets.Dataset.from_dict({"body": TEXTS, "id": list(range(len(TEXTS)))})
+    rows.save_to_disk(tmp_path / "disk")
+    datasets.DatasetDict({"validation": rows}).save_to_disk(tmp_path / "dict")
+    rows.to_json(tmp_path / "rows.jsonl")
+    (tmp_path / "parquet").mkdir()
+    rows.select(range(6)).to_parquet(tmp_path / "parquet" / "a.parquet")
+    rows.select(range(6, len(TEXTS))).to_parquet(tmp_path / "parquet" / "b.parquet")
+    return {
+        "save_to_disk": {"path": str(tmp_path / "disk")},
+        "dataset_dict": {"path": str(tmp_path / "dict"), "split": "validation"},
+        "json": {"path": str(tmp_path / "rows.jsonl")},
+        "parquet_folder": {"path": str(tmp_path / "parquet")},
+    }
 
-    def load_dataset(path: str, name: str | None, split: str) -> Rows:
-        calls.append((path, name, split))
-        return Rows()
 
-    fake = types.ModuleType("datasets")
-    fake.load_dataset = load_dataset  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "datasets", fake)
-    spec = {"path": "some/corpus", "split": "validation"}
-    texts = dataset_texts(spec)
-    assert calls == [("some/corpus", None, "validation")] and len(texts) == 9  # blank row dropped
-    text = packed_corpus(gpt2_tokenizer(), DataConfig(seq_len=8, every=3, dataset=spec))
-    held = gpt2_tokenizer().decode(text.held_out.flatten())
-    assert "row 2" in held and "row 6" in held and "row 0" not in held  # 3rd, 6th, 9th texts
-    with pytest.raises(ValueError, match="'body' is not a column"):
-        dataset_texts({"path": "x", "field": "body"})
+@pytest.mark.parametrize("packing", ["stream", "cram"])
+def test_every_local_dataset_gives_the_rows_of_its_texts(tmp_path: Path, packing: str) -> None:
+    """save_to_disk folders, JSON lines and a folder of Parquet files, read whole or streamed:
+    the rows their non-blank texts make, held out by document (every 3rd)."""
+    tok = gpt2_tokenizer()
+    texts = [t for t in TEXTS if t.strip()]
+    train, held = split_every(texts, 3)
+    expected = [pack_texts(tok, t, 16, packing) for t in (train, held)]
+    assert all(len(rows) > 1 for rows in expected)
+    for name, spec in dataset_sources(tmp_path).items():
+        for streaming in (False, True):
+            source = {**spec, "field": "body", "streaming": streaming}
+            data = DataConfig(seq_len=16, every=3, dataset=source, packing=packing)
+            text = packed_corpus(tok, data)
+            assert text.train.equal(expected[0]) and text.held_out.equal(expected[1]), name
+    capped = {"path": str(tmp_path / "rows.jsonl"), "field": "body", "max_documents": 5}
+    assert list(dataset_texts({**capped, "streaming": True})) == texts[:5]
+
+
+def test_dataset_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    sources = dataset_sources(tmp_path)
+    with pytest.raises(ValueError, match="'text' is not a column of"):
+        list(dataset_texts(sources["json"]))
+    with pytest.raises(ValueError, match=r"'train' is not a split of .*\(\['validation'\]\)"):
+        list(dataset_texts({"path": sources["dataset_dict"]["path"]}))
+    with pytest.raises(ValueError, match="max_documents: a number of documents >= 1"):
+        DataConfig(dataset={"path": "x", "max_documents": 0})
+    with pytest.raises(ValueError, match=r"data\.packing: must be one of"):
+        DataConfig(packing="tight")
     monkeypatch.setitem(sys.modules, "datasets", None)
     with pytest.raises(ValueError, match="needs the `datasets` package"):
-        dataset_texts(spec)
+        dataset_texts(sources["json"])
+
+
+def test_cram_packs_as_the_papers_reference() -> None:
+    """Each document cut to a row, documents joined without a separator until a row is full;
+    the rest of the document that filled it, and an unfilled last row, are dropped."""
+    docs = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15], [16, 17, 18, 19, 20], [21]]
+    assert cram(docs, 3).tolist() == [[1, 2, 3, 4], [11, 12, 13, 14], [16, 17, 18, 19]]
+    assert cram([[1, 2]], 3).shape == (0, 4)
 
 
 def test_data_config_errors() -> None:

@@ -116,7 +116,7 @@ class StudyData:
         average over the held-out documents rather than the first few."""
         assert self.study.lm is not None
         data, spec = self.study.lm.data, self.study.lm.eval
-        rows = pack_texts(self.tokenizer, split_texts(data)[1], spec.length)
+        rows = pack_texts(self.tokenizer, split_texts(data)[1], spec.length, data.packing)
         if len(rows) < spec.rows:
             raise ValueError(
                 f"lm.eval.rows: the held-out documents fill {len(rows)} rows of "

@@ -160,7 +160,7 @@ class FinishedRun:
     def held_out(self) -> torch.Tensor:
         """The run's held-out rows (N, seq_len), packed by its own tokenizer."""
         data = self.sections.data
-        return pack_texts(self.tokenizer, split_texts(data)[1], data.seq_len)
+        return pack_texts(self.tokenizer, split_texts(data)[1], data.seq_len, data.packing)
 
     def model(self) -> LongKVForCausalLM:
         """The trained model, in eval mode."""
