@@ -194,7 +194,8 @@ def test_results_go_to_the_untracked_folder_by_default() -> None:
                 if "--out-dir" in action.option_strings:
                     defaults.append((name, action.default))
     assert {name for name, _ in defaults} == {
-        "niah", "fold", "drift", "bench kvm", "bench train", "compare-runs", "study", "bounded"
+        "niah", "fold", "drift", "bench kvm", "bench train", "compare-runs", "study", "bounded",
+        "eval",
     }  # fmt: skip
     assert all(default == OUT_DIR for _, default in defaults), defaults
 

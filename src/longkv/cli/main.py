@@ -1,4 +1,4 @@
-"""`longkv` entry point: niah, fold, drift, train, eval-loss, generate, study, bench and more.
+"""`longkv` entry point: niah, fold, drift, train, eval, generate, study, bench and more.
 
 The top-level parser lists the commands from the table below without importing them; only the
 chosen command's module is imported (with torch and transformers), to build its options.
@@ -40,6 +40,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("longkv.cli.bench", "speed and memory benchmarks: bench kvm, bench train"),
     "train": ("longkv.cli.train", "train a longkv language model from a YAML run"),
     "eval-loss": ("longkv.cli.train", "held-out loss of a trained run"),
+    "eval": (
+        "longkv.cli.evaluate",
+        "lm-evaluation-harness tasks on a longkv model or any causal LM, any batch size",
+    ),
     "generate": ("longkv.cli.train", "continue a prompt with a trained model"),
     "compare-runs": (
         "longkv.cli.train",
