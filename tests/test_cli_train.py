@@ -171,17 +171,30 @@ def test_dry_run_prints_the_paper_models_counts_and_touches_nothing(
     assert not any(tmp_path.iterdir())
 
 
-def test_bench_train_measures_every_variant(tmp_path: Path) -> None:
+def test_bench_train_measures_every_variant_and_mode(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     argv = [
         "bench", "train", "--contexts", "128", "--repeats", "1", "--vocab-size", "97",
-        "--out-dir", str(tmp_path), "--name", "bt",
+        "--out-dir", str(tmp_path),
     ]  # fmt: skip
-    assert main(argv) == 0
+    assert main([*argv, "--name", "bt"]) == 0
     report = json.loads((tmp_path / "bt.json").read_text())
     kvm = ("kvm_fixed", "kvm_sqrt", "kvm_saturation")
     assert {r["variant"] for r in report["rows"]} == {*kvm, "bswa", "full"}
-    assert all(r["tokens_per_s"] > 0 for r in report["rows"])
-    assert set(report["ratios"]) == {f"{v} / full tokens/s at 128" for v in (*kvm, "bswa")}
+    assert all(r["tokens_per_s"] > 0 and r["peak_memory_bytes"] is None for r in report["rows"])
+    assert set(report["ratios"]) == {f"{v} / full tokens/s, fp32 at 128" for v in (*kvm, "bswa")}
+    modes = ["fp32", "bf16", "bf16-autocast+checkpointing"]
+    more = ["--variants", "kvm_sqrt", "full", "--modes", *modes, "--memory", "--name", "modes"]
+    assert main([*argv, *more]) == 0
+    report = json.loads((tmp_path / "modes.json").read_text())
+    assert [(r["variant"], r["mode"]) for r in report["rows"]] == [
+        (v, m) for v in ("kvm_sqrt", "full") for m in modes
+    ]
+    assert all(r["peak_memory_bytes"] > 0 for r in report["rows"])  # Linux measures it
+    assert "kvm_sqrt bf16 / fp32 tokens/s at 128" in report["ratios"]
+    assert main([*argv, "--modes", "fp16+compile"]) == 2
+    assert "--modes: 'fp16+compile': a precision of" in capsys.readouterr().err
 
 
 def test_compare_runs_scores_every_run_on_the_same_rows(

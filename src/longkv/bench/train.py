@@ -1,15 +1,18 @@
-"""`longkv bench train`: training throughput (tokens/s) of each mixer, measured in one run.
+"""`longkv bench train`: training throughput (tokens/s) and peak memory of each mixer, in each
+way of computing a step, measured in one run.
 
-Each mixer gets the same model shape (LongKVConfig.tiny: 4 layers, d=256) and the same random
-tokens; a step is forward, backward and an AdamW update on one batch of `context` tokens per
-row. The variants are timed in interleaved rounds (see `run`).
+Each mixer gets the same model shape (LongKVConfig.tiny: 4 layers, d=256, or one of the paper's
+sizes) and the same random tokens; a step is the training loop's (`optimizer_step`): forward,
+backward and an AdamW update on one batch of `context` tokens per row, in a mode's precision,
+compiled or recomputing blocks as the mode says. The runs are timed in interleaved rounds (see
+`run`).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +21,12 @@ from torch import Tensor
 from tqdm import tqdm
 
 from longkv.bench import check_threads, ratios_table, threads_setting, use_threads
-from longkv.bench.memory import keep_freed_heap
-from longkv.checks import require_at_least, require_known, setting
-from longkv.models import LongKVConfig, LongKVForCausalLM
+from longkv.bench.memory import keep_freed_heap, peak_memory
+from longkv.checks import require, require_at_least, require_known, setting
+from longkv.models import LongKVConfig
+from longkv.models.config import PAPER_SIZES
 from longkv.results import OUT_DIR, OUT_DIR_HELP, markdown_table, provenance, write_report
+from longkv.train.loop import PRECISIONS, TrainConfig, TrainRun, optimizer_step, start_run
 from longkv.train.run import preset_model
 
 VARIANTS: dict[str, dict[str, Any]] = {  # LongKVConfig.tiny overrides (kvm merges into its kvm)
@@ -35,6 +40,22 @@ VARIANTS: dict[str, dict[str, Any]] = {  # LongKVConfig.tiny overrides (kvm merg
     "bswa": dict(mixer="bswa"),
     "full": dict(mixer="full"),
 }
+# the paper's model of each variant at a paper size (LongKVConfig.paper)
+PAPER_VARIANTS = {
+    "kvm_fixed": "kvm_fixed", "kvm_sqrt": "kvm_sqrt16", "kvm_saturation": "kvm_swa_saturation",
+    "bswa": "bswa", "full": "full",
+}  # fmt: skip
+SIZES = ("tiny", *PAPER_SIZES)
+FEATURES = ("compile", "checkpointing")  # a mode's "+" parts after its precision
+
+
+def mode_config(mode: str) -> TrainConfig:
+    """The TrainConfig of a mode "precision[+compile][+checkpointing]" (lr 1e-4, no warm-up)."""
+    precision, *features = mode.split("+")
+    return TrainConfig(
+        lr=1e-4, warmup=0, steps=10**9, precision=precision, grad_clip=None,
+        **{feature: True for feature in features},
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -43,6 +64,20 @@ class TrainBenchSettings:
 
     contexts: tuple[int, ...] = setting((2048, 8192), "context lengths (tokens per row)")
     variants: tuple[str, ...] = setting(tuple(VARIANTS), "mixers timed", choices=tuple(VARIANTS))
+    size: str = setting(
+        "tiny",
+        "model: tiny (LongKVConfig.tiny, 4 layers, d=256) or a paper size (the variant's paper "
+        "model, LongKVConfig.paper)",
+        choices=SIZES,
+    )
+    modes: tuple[str, ...] = setting(
+        ("fp32",),
+        "how a step computes, each timed: a precision (fp32, bf16-autocast, bf16: bf16 "
+        "parameters with float32 master weights) and optionally +compile (the feed-forward "
+        "halves compiled) and +checkpointing (blocks recomputed in the backward pass), e.g. "
+        "fp32+checkpointing",
+    )
+    memory: bool = setting(False, "also measure each step's peak memory (one more step each)")
     batch: int = setting(1, "rows per step")
     repeats: int = setting(5, "timed rounds (median)")
     threads: int | None = threads_setting()
@@ -55,88 +90,124 @@ class TrainBenchSettings:
         require_known(self, "variants", self.variants, list(VARIANTS))
         require_at_least(1, self, "contexts", "batch", "repeats", "vocab_size")
         check_threads(self)
+        for mode in self.modes:
+            precision, *features = mode.split("+")
+            require(
+                precision in PRECISIONS and precision != "auto" and set(features) <= set(FEATURES),
+                self, "modes",
+                f"{mode!r}: a precision of {[p for p in PRECISIONS if p != 'auto']} and "
+                f"optionally +{' +'.join(FEATURES)}",
+            )  # fmt: skip
 
 
-def variant_config(variant: str, vocab_size: int) -> LongKVConfig:
+def variant_config(variant: str, vocab_size: int, size: str = "tiny") -> LongKVConfig:
     """The model of `variant`: the tiny preset with its overrides, built as a run file's model
-    section is (`preset_model`)."""
-    return preset_model({"preset": "tiny", **VARIANTS[variant]}, vocab_size=vocab_size)
+    section is (`preset_model`), or at a paper size its paper model."""
+    if size == "tiny":
+        return preset_model({"preset": "tiny", **VARIANTS[variant]}, vocab_size=vocab_size)
+    preset = f"paper_{size}_{PAPER_VARIANTS[variant]}"
+    return preset_model({"preset": preset}, vocab_size=vocab_size)
 
 
-def step_seconds(model: LongKVForCausalLM, optimizer: torch.optim.Optimizer, ids: Tensor) -> float:
-    """Seconds of one forward + backward + AdamW step on ids (B, T)."""
+def step_seconds(run: TrainRun, rows: Tensor) -> float:
+    """Seconds of one training step (forward, backward, AdamW) on rows (B, T + 1)."""
     t0 = time.perf_counter()
-    loss = model(ids, labels=ids).loss
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    optimizer.step()
+    optimizer_step(run, rows, 0)
     return time.perf_counter() - t0
 
 
-def run(s: TrainBenchSettings, argv: list[str] | None = None) -> dict[str, Any]:
-    """Tokens per second of every variant at every context, and ratios against full.
+def measured_peak(train_run: TrainRun, rows: Tensor) -> int | None:
+    """Peak memory (bytes) of one training step on rows (`peak_memory`)."""
+    return peak_memory(lambda: step_seconds(train_run, rows), rows.device)[1]
 
-    Per context, every variant's model is built, then `repeats` + 1 rounds each time one step
-    of every variant in turn (the first round is the warm-up), so slow drifts of the machine
-    touch all variants alike; a variant's time is its median over the rounds.
+
+def run(s: TrainBenchSettings, argv: list[str] | None = None) -> dict[str, Any]:
+    """Tokens per second (and, with s.memory, peak memory) of every variant in every mode at
+    every context, and ratios against full (per mode) and against each variant's first mode.
+
+    Per context, every run (variant x mode) is built, then `repeats` + 1 rounds each time one
+    step of every run in turn (the first round is the warm-up, which also compiles), so slow
+    drifts of the machine touch all runs alike; a run's time is its median over the rounds.
+    With s.memory one more step per run follows, its peak memory measured (`peak_memory`).
     """
     keep_freed_heap()
     use_threads(s.threads)
     rows = []
     for T in s.contexts:
         ids = torch.randint(
-            0, s.vocab_size, (s.batch, T), generator=torch.Generator().manual_seed(s.seed)
+            0, s.vocab_size, (s.batch, T + 1), generator=torch.Generator().manual_seed(s.seed)
         )
-        runs = {}
+        runs: dict[tuple[str, str], TrainRun] = {}
         for variant in s.variants:
-            torch.manual_seed(s.seed)
-            config = variant_config(variant, s.vocab_size)
-            model = LongKVForCausalLM(config).train()
-            runs[variant] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4))
-        times: dict[str, list[float]] = {variant: [] for variant in s.variants}
+            config = variant_config(variant, s.vocab_size, s.size)
+            for mode in s.modes:
+                runs[variant, mode] = start_run(config, replace(mode_config(mode), seed=s.seed))
+        times: dict[tuple[str, str], list[float]] = {key: [] for key in runs}
         for r in tqdm(range(s.repeats + 1), desc=f"bench train {T}", unit="round"):
-            for variant, (model, optimizer) in runs.items():
-                seconds = step_seconds(model, optimizer, ids)
+            for key, train_run in runs.items():
+                seconds = step_seconds(train_run, ids)
                 if r:
-                    times[variant].append(seconds)
-        for variant in s.variants:
-            seconds = statistics.median(times[variant])
+                    times[key].append(seconds)
+        for (variant, mode), train_run in runs.items():
+            peak = measured_peak(train_run, ids) if s.memory else None
+            seconds = statistics.median(times[variant, mode])
             rows.append(
                 {
-                    "variant": variant,
-                    "context": T,
-                    "seconds": seconds,
-                    "tokens_per_s": s.batch * T / seconds,
+                    "variant": variant, "mode": mode, "context": T, "seconds": seconds,
+                    "tokens_per_s": s.batch * T / seconds, "peak_memory_bytes": peak,
                 }
-            )
+            )  # fmt: skip
         del runs
-    full = {r["context"]: r["tokens_per_s"] for r in rows if r["variant"] == "full"}
-    ratios = {
-        f"{r['variant']} / full tokens/s at {r['context']}": {
-            "value": r["tokens_per_s"] / full[r["context"]],
-            # issue 11: KVM's training within 1.3x of full attention's at 2K context
-            "target": f">= {1 / 1.3:.2f}"
-            if r["variant"].startswith("kvm") and r["context"] == 2048
-            else None,
-        }
-        for r in rows
-        if r["variant"] != "full" and r["context"] in full
-    }
-    return {"provenance": provenance(argv), "settings": asdict(s), "rows": rows, "ratios": ratios}
+    return {
+        "provenance": provenance(argv), "settings": asdict(s), "rows": rows,
+        "ratios": ratios(rows, s),
+    }  # fmt: skip
+
+
+def ratios(rows: list[dict[str, Any]], s: TrainBenchSettings) -> dict[str, dict[str, Any]]:
+    """tokens/s of each run over full's in its mode and context, and over its variant's in the
+    first mode (where there are several modes)."""
+    speed = {(r["variant"], r["mode"], r["context"]): r["tokens_per_s"] for r in rows}
+    out: dict[str, dict[str, Any]] = {}
+    for (variant, mode, T), value in speed.items():
+        full = speed.get(("full", mode, T))
+        if variant != "full" and full:
+            out[f"{variant} / full tokens/s, {mode} at {T}"] = {
+                "value": value / full,
+                # issue 11: KVM's training within 1.3x of full attention's at 2K context
+                "target": f">= {1 / 1.3:.2f}" if variant.startswith("kvm") and T == 2048 else None,
+            }
+        first = speed[variant, s.modes[0], T]
+        if mode != s.modes[0]:
+            out[f"{variant} {mode} / {s.modes[0]} tokens/s at {T}"] = {"value": value / first}
+    return out
 
 
 def save(report: dict[str, Any], s: TrainBenchSettings) -> list[Path]:
     """<out_dir>/<name>.json and .md."""
+
+    def mib(n: int | None) -> str:
+        return "-" if n is None else f"{n / 2**20:.0f}"
+
     rows = [
-        [r["variant"], str(r["context"]), f"{r['seconds']:.2f}", f"{r['tokens_per_s']:.0f}"]
+        [r["variant"], r["mode"], str(r["context"]), f"{r['seconds']:.2f}",
+         f"{r['tokens_per_s']:.0f}", mib(r["peak_memory_bytes"])]
         for r in report["rows"]
-    ]
+    ]  # fmt: skip
+    model = (
+        "LongKVConfig.tiny (4 layers, d=256, 4 heads)"
+        if s.size == "tiny"
+        else f"the paper's {s.size} models (LongKVConfig.paper)"
+    )
     lines = [
-        f"- model: LongKVConfig.tiny (4 layers, d=256, 4 heads), batch {s.batch}, fp32, "
-        f"a step is forward, backward, AdamW; median of {s.repeats} rounds, each timing one step "
-        "of every variant in turn, after a warm-up round",
+        f"- model: {model}, batch {s.batch}; a step is forward, backward, AdamW in the mode's "
+        f"precision; median of {s.repeats} rounds, each timing one step of every run in turn, "
+        "after a warm-up round"
+        + ("; peak memory: one more step each, the rise of the resident set" if s.memory else ""),
         "",
-        *markdown_table(["variant", "context", "s/step", "tokens/s"], rows, "<>>>"),
+        *markdown_table(
+            ["variant", "mode", "context", "s/step", "tokens/s", "peak MiB"], rows, "<<>>>>"
+        ),
         "",
         *ratios_table(report["ratios"]),
     ]

@@ -319,7 +319,7 @@ def tensorboard_writer(out: Path, first_step: int) -> Any:
 
 
 @dataclass(frozen=True)
-class _Run:
+class TrainRun:
     """What every step of one `train` call uses: this process's place among the ranks, its
     device, the model (float32 under every precision: the weights AdamW updates, checkpoints
     and saves), the model the steps compute with (the model itself, or its bfloat16 copy under
@@ -358,16 +358,17 @@ def compute_precision(precision: str, device: torch.device) -> str:
     return precision
 
 
-def _start(model_config: LongKVConfig, cfg: TrainConfig, out: Path, dtype: torch.dtype) -> _Run:
-    """Join the process group under torchrun, make out, and build the model (seeded with
-    cfg.seed), its working copy, its distributed wrapper and AdamW on this process's device."""
+def start_run(
+    model_config: LongKVConfig, cfg: TrainConfig, dtype: torch.dtype = torch.float32
+) -> TrainRun:
+    """Join the process group under torchrun and build the model (seeded with cfg.seed, in
+    dtype), its working copy, its distributed wrapper and AdamW on this process's device."""
     rank, size = world()
     device = train_device()
     if size > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     if cfg.batch_size % size:
         raise ValueError(f"batch_size {cfg.batch_size} is not divisible by {size} ranks")
-    out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     model = LongKVForCausalLM(model_config).to(device=device, dtype=dtype)
     precision = compute_precision(cfg.precision, device)
@@ -382,11 +383,11 @@ def _start(model_config: LongKVConfig, cfg: TrainConfig, out: Path, dtype: torch
     autocast = torch.autocast(
         device.type, dtype=torch.bfloat16, enabled=precision == "bf16-autocast"
     )
-    return _Run(cfg, rank, size, device, model, work, net, optimizer, autocast)
+    return TrainRun(cfg, rank, size, device, model, work, net, optimizer, autocast)
 
 
 def _resume(
-    run: _Run, checkpoint: Path, settings: dict[str, dict[str, Any]]
+    run: TrainRun, checkpoint: Path, settings: dict[str, dict[str, Any]]
 ) -> tuple[int, list[dict[str, float]]]:
     """(first step, metrics rows so far): the checkpoint's, its state loaded into the model and
     optimizer, when there is one (refused if its settings differ, see load_checkpoint)."""
@@ -397,28 +398,35 @@ def _resume(
     return state["step"], state["metrics"]
 
 
-def _step(run: _Run, train_rows: TrainingRows, step: int) -> dict[str, float]:
+def _step(run: TrainRun, train_rows: TrainingRows, step: int) -> dict[str, float]:
     """One optimizer step on this rank's slice of the global batch of `step`; its metrics row:
     step (counted from 1), loss (the mean over ranks) and lr."""
     cfg = run.cfg
     local = cfg.batch_size // run.size
     rows = train_rows[batch_rows(step, len(train_rows), cfg.batch_size, cfg.seed)]
     mine = rows[run.rank * local : (run.rank + 1) * local].to(run.device)
+    loss, lr = optimizer_step(run, mine, step)
+    return {"step": step + 1, "loss": _mean_over_ranks(loss, run.size), "lr": lr}
+
+
+def optimizer_step(run: TrainRun, rows: TrainingRows, step: int) -> tuple[Tensor, float]:
+    """Forward, backward and AdamW on rows (B, L + 1) at the schedule of `step` (0-based), in
+    the run's precision: (the loss, detached; the lr reported)."""
     run.optimizer.zero_grad(set_to_none=True)
     run.load_work()
     with run.autocast:
-        loss = _next_token_loss(run.net, mine)
+        loss = _next_token_loss(run.net, rows)
     loss.backward()
     run.take_gradients()
-    if cfg.grad_clip is not None:
-        nn.utils.clip_grad_norm_(run.model.parameters(), cfg.grad_clip)
-    lr = schedule(run.optimizer.param_groups, cfg, step)
+    if run.cfg.grad_clip is not None:
+        nn.utils.clip_grad_norm_(run.model.parameters(), run.cfg.grad_clip)
+    lr = schedule(run.optimizer.param_groups, run.cfg, step)
     run.optimizer.step()
-    return {"step": step + 1, "loss": _mean_over_ranks(loss.detach(), run.size), "lr": lr}
+    return loss.detach(), lr
 
 
 def _save(
-    run: _Run, out: Path, metrics: list[dict[str, float]], settings: dict[str, dict[str, Any]],
+    run: TrainRun, out: Path, metrics: list[dict[str, float]], settings: dict[str, dict[str, Any]],
     writer: Any,
 ) -> None:  # fmt: skip
     """Checkpoint the step of the last metrics row: the state is gathered on every rank, and
@@ -474,7 +482,8 @@ def train(
     """
     check_held_out(held_out_rows, cfg.batch_size)  # before the first step, not at the first eval
     out = Path(out_dir)
-    run = _start(model_config, cfg, out, dtype)
+    out.mkdir(parents=True, exist_ok=True)
+    run = start_run(model_config, cfg, dtype)
     settings = run_settings(model_config, cfg, data)
     checkpoint = out / CHECKPOINT
     start, metrics = _resume(run, checkpoint, settings)
