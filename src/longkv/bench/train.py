@@ -78,6 +78,11 @@ class TrainBenchSettings:
         "fp32+checkpointing",
     )
     memory: bool = setting(False, "also measure each step's peak memory (one more step each)")
+    interleave: bool = setting(
+        True,
+        "time the runs in interleaved rounds, all built at once; --no-interleave builds and "
+        "times one run at a time (models whose runs do not fit in memory together)",
+    )
     batch: int = setting(1, "rows per step")
     repeats: int = setting(5, "timed rounds (median)")
     threads: int | None = threads_setting()
@@ -125,10 +130,9 @@ def run(s: TrainBenchSettings, argv: list[str] | None = None) -> dict[str, Any]:
     """Tokens per second (and, with s.memory, peak memory) of every variant in every mode at
     every context, and ratios against full (per mode) and against each variant's first mode.
 
-    Per context, every run (variant x mode) is built, then `repeats` + 1 rounds each time one
-    step of every run in turn (the first round is the warm-up, which also compiles), so slow
-    drifts of the machine touch all runs alike; a run's time is its median over the rounds.
-    With s.memory one more step per run follows, its peak memory measured (`peak_memory`).
+    Per context, every run (variant x mode) is built and timed in interleaved rounds
+    (`timed_rows`), so slow drifts of the machine touch all runs alike; or, without
+    s.interleave, one run at a time, each built, timed and freed before the next.
     """
     keep_freed_heap()
     use_threads(s.threads)
@@ -137,31 +141,47 @@ def run(s: TrainBenchSettings, argv: list[str] | None = None) -> dict[str, Any]:
         ids = torch.randint(
             0, s.vocab_size, (s.batch, T + 1), generator=torch.Generator().manual_seed(s.seed)
         )
-        runs: dict[tuple[str, str], TrainRun] = {}
-        for variant in s.variants:
-            config = variant_config(variant, s.vocab_size, s.size)
-            for mode in s.modes:
-                runs[variant, mode] = start_run(config, replace(mode_config(mode), seed=s.seed))
-        times: dict[tuple[str, str], list[float]] = {key: [] for key in runs}
-        for r in tqdm(range(s.repeats + 1), desc=f"bench train {T}", unit="round"):
-            for key, train_run in runs.items():
-                seconds = step_seconds(train_run, ids)
-                if r:
-                    times[key].append(seconds)
-        for (variant, mode), train_run in runs.items():
-            peak = measured_peak(train_run, ids) if s.memory else None
-            seconds = statistics.median(times[variant, mode])
-            rows.append(
-                {
-                    "variant": variant, "mode": mode, "context": T, "seconds": seconds,
-                    "tokens_per_s": s.batch * T / seconds, "peak_memory_bytes": peak,
-                }
-            )  # fmt: skip
-        del runs
+        keys = [(variant, mode) for variant in s.variants for mode in s.modes]
+        groups = [keys] if s.interleave else [[key] for key in keys]
+        for group in groups:
+            runs = {
+                (v, m): start_run(
+                    variant_config(v, s.vocab_size, s.size), replace(mode_config(m), seed=s.seed)
+                )
+                for v, m in group
+            }
+            rows += timed_rows(runs, ids, s)
+            del runs
     return {
         "provenance": provenance(argv), "settings": asdict(s), "rows": rows,
         "ratios": ratios(rows, s),
     }  # fmt: skip
+
+
+def timed_rows(
+    runs: dict[tuple[str, str], TrainRun], ids: Tensor, s: TrainBenchSettings
+) -> list[dict[str, Any]]:
+    """One row per run ((variant, mode) -> run): `repeats` + 1 rounds each timing one step of
+    every run in turn (the first, the warm-up, also compiles), a run's time its median over the
+    rounds; with s.memory one more step each, its peak memory measured (`peak_memory`)."""
+    B, T = ids.shape[0], ids.shape[1] - 1
+    times: dict[tuple[str, str], list[float]] = {key: [] for key in runs}
+    for r in tqdm(range(s.repeats + 1), desc=f"bench train {T}", unit="round"):
+        for key, train_run in runs.items():
+            seconds = step_seconds(train_run, ids)
+            if r:
+                times[key].append(seconds)
+    rows = []
+    for (variant, mode), train_run in runs.items():
+        seconds = statistics.median(times[variant, mode])
+        rows.append(
+            {
+                "variant": variant, "mode": mode, "context": T, "seconds": seconds,
+                "tokens_per_s": B * T / seconds,
+                "peak_memory_bytes": measured_peak(train_run, ids) if s.memory else None,
+            }
+        )  # fmt: skip
+    return rows
 
 
 def ratios(rows: list[dict[str, Any]], s: TrainBenchSettings) -> dict[str, dict[str, Any]]:
