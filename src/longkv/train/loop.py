@@ -321,8 +321,8 @@ def tensorboard_writer(out: Path, first_step: int) -> Any:
 @dataclass(frozen=True)
 class TrainRun:
     """What every step of one `train` call uses: this process's place among the ranks, its
-    device, the model (float32 under every precision: the weights AdamW updates, checkpoints
-    and saves), the model the steps compute with (the model itself, or its bfloat16 copy under
+    device, the model (in the run's dtype, float32 by default, under every precision: the
+    weights AdamW updates, checkpoints and saves), the model the steps compute with (the model itself, or its bfloat16 copy under
     precision bf16), the module they run through (that, DDP or FSDP), AdamW and the autocast
     context."""
 
