@@ -169,6 +169,9 @@ def test_dry_run_prints_the_paper_models_counts_and_touches_nothing(
     )
     assert "24 kvm/swa layers, d_model 1024" in large and "blocks 303.8M" in large
     assert not any(tmp_path.iterdir())
+    paper = CONFIG.parent / "paper_120m.yaml"  # the paper's run: its data is never read here
+    assert main(["train", "--config", str(paper), "--dry-run"]) == 0
+    assert capsys.readouterr().out == small + "\n"
 
 
 def test_bench_train_measures_every_variant_and_mode(
