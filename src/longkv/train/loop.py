@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import functools
 import importlib.util
 import inspect
 import os
@@ -118,7 +119,8 @@ class TrainConfig:
 
 # how the steps compute (TrainConfig.precision)
 PRECISIONS = {
-    "auto": "bf16-autocast on CUDA, fp32 on the CPU",
+    "auto": "bf16-autocast on CUDA and on CPUs with bf16 arithmetic (AMX or AVX512-BF16: the "
+    "fastest there, results/bench_train_*_2k.md), else fp32",
     "fp32": "the model's dtype (float32 unless the caller gives another)",
     "bf16-autocast": "float32 parameters, matmuls in bfloat16 under torch.autocast",
     "bf16": "bfloat16 parameters and activations, AdamW on float32 master weights (the "
@@ -322,9 +324,9 @@ def tensorboard_writer(out: Path, first_step: int) -> Any:
 class TrainRun:
     """What every step of one `train` call uses: this process's place among the ranks, its
     device, the model (in the run's dtype, float32 by default, under every precision: the
-    weights AdamW updates, checkpoints and saves), the model the steps compute with (the model itself, or its bfloat16 copy under
-    precision bf16), the module they run through (that, DDP or FSDP), AdamW and the autocast
-    context."""
+    weights AdamW updates, checkpoints and saves), the model the steps compute with (the model
+    itself, or its bfloat16 copy under precision bf16), the module they run through (that, DDP
+    or FSDP), AdamW and the autocast context."""
 
     cfg: TrainConfig
     rank: int
@@ -354,8 +356,20 @@ class TrainRun:
 def compute_precision(precision: str, device: torch.device) -> str:
     """The precision the steps use on device: `auto` resolved (`PRECISIONS`)."""
     if precision == "auto":
-        return "bf16-autocast" if device.type == "cuda" else "fp32"
+        fast = device.type == "cuda" or (device.type == "cpu" and cpu_has_bf16())
+        return "bf16-autocast" if fast else "fp32"
     return precision
+
+
+@functools.cache
+def cpu_has_bf16() -> bool:
+    """Whether this CPU does bf16 arithmetic natively (Linux's cpuinfo flags amx_bf16 or
+    avx512_bf16); False where it cannot tell."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
 def start_run(
