@@ -22,7 +22,7 @@ rows = torch.randint(0, 64, (64, seq_len + 1), generator=torch.Generator().manua
 cfg = TrainConfig(  # fp32: 2 ranks equal 1 process to float32 rounding (bf16's is 1e-4)
     steps=4, batch_size=8, warmup=1, eval_every=2, checkpoint_every=2, parallel=parallel,
     precision="fp32",
-)
+)  # fmt: skip
 runs = [train(config, cfg, rows, rows[:16], out)]
 if len(sys.argv) > 4:
     train(config, cfg, rows, rows[:16], out + "-resumed", stop_after=int(sys.argv[4]))
