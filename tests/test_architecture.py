@@ -11,7 +11,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "longkv"
 FLOORS: dict[str, int] = {
     "checks": 0, "dtypes": 0, "results": 0, "vml": 0, "data": 0,
     "attention": 1, "rwkv": 1, "decoding": 1,
-    "kvm": 2,
+    "kvm": 2, "ovq": 2,
     "models": 3,
     "fold": 4,
     "caches": 5,
