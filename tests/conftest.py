@@ -106,6 +106,7 @@ def assert_same_state(a: KVMState, b: KVMState, tol: float = TOL) -> None:
 
 
 TINY_KVM = dict(chunk_len=4, window_chunks=2, sink_len=1, state_min_len=4, rope_dim=4)
+TINY_OVQ = dict(chunk_len=4, max_centroids=6)
 BUDGETS = {
     "fixed": dict(budget="fixed", max_state_chunks=2, state_min_len=6),
     "sqrt": dict(budget="power_law", growth_factor=3.0, max_state_chunks=None),
@@ -129,7 +130,8 @@ def tiny_longkv(
         **dict(
             vocab_size=vocab_size, d_model=32, n_layers=len(layout), n_heads=4,
             n_kv_heads=kv_heads, rwkv_chunk_len=4,
-            layout=layout, kvm={**TINY_KVM, **BUDGETS[budget]}, swa_window=6, bswa_chunk_len=4,
+            layout=layout, kvm={**TINY_KVM, **BUDGETS[budget]}, ovq=TINY_OVQ, swa_window=6,
+            bswa_chunk_len=4,
             bswa_window_chunks=2, token_shift=extras, value_residual=extras,
         ),
         **overrides,
@@ -138,7 +140,7 @@ def tiny_longkv(
     model = LongKVForCausalLM(config).double().eval()
     with torch.no_grad():  # LayerNorms, temperatures and mixes off their init
         for name, p in model.named_parameters():
-            if any(part in name for part in ("norm", "temp", "shift", "value_mix")):
+            if any(part in name for part in ("norm", "temp", "shift", "value_mix", "beta")):
                 p.add_(0.2 * torch.randn_like(p))
     return model
 

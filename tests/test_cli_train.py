@@ -183,10 +183,10 @@ def test_bench_train_measures_every_variant_and_mode(
     ]  # fmt: skip
     assert main([*argv, "--name", "bt"]) == 0
     report = json.loads((tmp_path / "bt.json").read_text())
-    kvm = ("kvm_fixed", "kvm_sqrt", "kvm_saturation")
-    assert {r["variant"] for r in report["rows"]} == {*kvm, "bswa", "full"}
+    others = ("kvm_fixed", "kvm_sqrt", "kvm_saturation", "ovq", "bswa")
+    assert {r["variant"] for r in report["rows"]} == {*others, "full"}
     assert all(r["tokens_per_s"] > 0 and r["peak_memory_bytes"] is None for r in report["rows"])
-    assert set(report["ratios"]) == {f"{v} / full tokens/s, fp32 at 128" for v in (*kvm, "bswa")}
+    assert set(report["ratios"]) == {f"{v} / full tokens/s, fp32 at 128" for v in others}
     modes = ["fp32", "bf16", "bf16-autocast+checkpointing"]
     more = ["--variants", "kvm_sqrt", "full", "--modes", *modes, "--memory", "--no-interleave"]
     assert main([*argv, *more, "--name", "modes"]) == 0

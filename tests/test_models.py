@@ -44,6 +44,8 @@ CASES = {
     "hybrid": (["kvm", "swa", "kvm", "swa"], "saturation"),
     "hybrid-shift-vres": (["kvm", "swa", "kvm", "bswa"], "fixed", True),
     "hybrid-paper-backbone": (["swa", "kvm", "swa", "kvm"], "saturation", "paper"),
+    "ovq": (["ovq", "ovq"], "sqrt"),
+    "hybrid-ovq-shift-vres": (["swa", "ovq", "swa", "ovq"], "sqrt", True),
     "rwkv7": (["rwkv7", "rwkv7"], "sqrt"),
     "hybrid-rwkv7": (["rwkv7", "kvm", "swa", "rwkv7"], "sqrt"),
     "hybrid-rwkv7-shift-vres": (["kvm", "rwkv7", "full", "rwkv7"], "fixed", True),
@@ -82,7 +84,7 @@ def test_loss_is_next_token_cross_entropy() -> None:
 
 
 def test_save_and_load_reproduce_the_logits(tmp_path: Path) -> None:
-    model = tiny(["kvm", "swa", "kvm", "swa"], "saturation", extras=True)
+    model = tiny(["kvm", "swa", "ovq", "swa"], "saturation", extras=True)
     ids = torch.randint(0, V, (1, T))
     model.save_pretrained(tmp_path)
     assert (tmp_path / "model.safetensors").is_file()
@@ -255,6 +257,8 @@ def test_presets_build() -> None:
     hybrid = LongKVConfig.paper("350m", "kvm_swa_saturation")
     assert hybrid.mixers == ["swa", "kvm"] * 12 and hybrid.kvm_config().budget == "saturation"
     assert LongKVConfig.paper("120m", "bswa", vocab_size=50257).vocab_size == 50304  # padded
+    ovq = LongKVConfig.paper("120m", "ovq_swa_saturation")
+    assert ovq.mixers == ["swa", "ovq"] * 6 and ovq.ovq_config().max_centroids == 1024
 
 
 # training.md 1.5: "85.6M + 38.6M lm_head (+38.6M wte)" and "303.8M + 51.5M (+51.5M wte)"
@@ -267,7 +271,14 @@ def test_paper_presets_have_the_papers_parameter_counts(size: str) -> None:
     parameters, docs/models.md), embedding and head to the spec's rounding; the hybrid and
     the baselines within 0.2 %."""
     blocks, head = PAPER_COUNTS[size]
-    for model in ("kvm_fixed", "kvm_sqrt16", "kvm_swa_saturation", "full", "bswa"):
+    for model in (
+        "kvm_fixed",
+        "kvm_sqrt16",
+        "kvm_swa_saturation",
+        "ovq_swa_saturation",
+        "full",
+        "bswa",
+    ):
         with torch.device("meta"):
             counts = LongKVForCausalLM(LongKVConfig.paper(size, model)).parameter_counts()
         tolerance = 5e-4 if model.startswith("kvm_") and "swa" not in model else 2e-3
@@ -278,7 +289,9 @@ def test_paper_presets_have_the_papers_parameter_counts(size: str) -> None:
     assert hybrid.mixers == ["kvm", "swa", "kvm", "swa"]
 
 
-@pytest.mark.parametrize("case", ["kvm-sqrt", "hybrid", "full", "hybrid-shift-vres"])
+@pytest.mark.parametrize(
+    "case", ["kvm-sqrt", "hybrid", "full", "hybrid-shift-vres", "hybrid-ovq-shift-vres"]
+)
 @pytest.mark.parametrize("sample", [False, True])
 def test_generate_with_the_cache_equals_recomputing(case: str, sample: bool) -> None:
     model = tiny(*CASES[case])

@@ -200,7 +200,8 @@ ROWS = {"reorder": [2, 0, 0], "repeat": [0, 0, 1, 1, 2, 2]}
 
 @pytest.mark.parametrize("how", list(ROWS))
 @pytest.mark.parametrize(
-    "layout", [["kvm", "swa", "kvm", "bswa"], ["full", "kvm"], ["rwkv7", "kvm", "rwkv7"]]
+    "layout",
+    [["kvm", "swa", "kvm", "bswa"], ["full", "kvm"], ["rwkv7", "kvm", "rwkv7"], ["ovq", "kvm"]],
 )
 def test_cache_rows_follow_reorder_and_repeat(how: str, layout: list[str]) -> None:
     model = tiny_longkv(layout, "sqrt", extras=True)

@@ -37,13 +37,14 @@ VARIANTS: dict[str, dict[str, Any]] = {  # LongKVConfig.tiny overrides (kvm merg
     "kvm_saturation": dict(  # saturating at 1024 slots, as KVMConfig.paper_saturation
         mixer="kvm", kvm={"budget": "saturation", "saturation_n": 1024, "state_min_len": 1}
     ),
+    "ovq": dict(mixer="ovq"),  # OVQConfig's defaults: C = 256, M = 1024, saturating
     "bswa": dict(mixer="bswa"),
     "full": dict(mixer="full"),
 }
 # the paper's model of each variant at a paper size (LongKVConfig.paper)
 PAPER_VARIANTS = {
     "kvm_fixed": "kvm_fixed", "kvm_sqrt": "kvm_sqrt16", "kvm_saturation": "kvm_swa_saturation",
-    "bswa": "bswa", "full": "full",
+    "ovq": "ovq_swa_saturation", "bswa": "bswa", "full": "full",
 }  # fmt: skip
 SIZES = ("tiny", *PAPER_SIZES)
 FEATURES = ("compile", "checkpointing")  # a mode's "+" parts after its precision

@@ -12,33 +12,35 @@ from longkv.attention.layers import AttentionConfig
 from longkv.checks import require, require_at_least
 from longkv.kvm.config import KVMConfig
 from longkv.kvm.layer import ABLATIONS
+from longkv.ovq.config import OVQConfig
 from longkv.rwkv.layer import RWKV7Config
 
-MIXERS = ("full", "swa", "bswa", "kvm", "rwkv7")
+MIXERS = ("full", "swa", "bswa", "kvm", "rwkv7", "ovq")
 
 
 class LongKVConfig(PreTrainedConfig):
     """Shape and mixers of a longkv language model (kvm.md section 8 backbone).
 
     layout: one mixer per layer from MIXERS, or None for `mixer` in every layer; kvm: KVMConfig
-    fields for the kvm layers; kvm_ablations: the paper's KVM ablations switched on in every kvm
-    layer (any of ABLATIONS: no_vlens, no_sink, no_merge_gate, no_head_temps, no_append_gate;
-    see `KVMAttention.ablated`); swa_window: tokens an swa layer sees; bswa_chunk_len and
-    bswa_window_chunks: the block window of bswa layers; rwkv_chunk_len: tokens per chunk of
-    the rwkv7 layers' recurrence (RWKV-7 time mixing with n_heads heads of head_dim channels;
-    it needs n_kv_heads == n_heads, always shifts tokens and mixes in the first layer's values
-    after the first layer). Pre-LayerNorm blocks, qk LayerNorm (attention layers),
-    RoPE (the first kvm.rope_dim channels in kvm layers, `rope_dim` elsewhere, None = all),
-    ReLU^2 MLP of mlp_ratio * d_model, untied output head. token_shift and value_residual: the
-    optional shell features of AttentionConfig (value residual in every layer after the first;
-    value_residual_rank 0: a learned mix per KV head, r > 0: per channel through a rank-r
+    fields for the kvm layers; ovq: OVQConfig fields for the ovq layers (online vector-quantised
+    attention, no RoPE, no qk LayerNorm); kvm_ablations: the paper's KVM ablations switched on
+    in every kvm layer (any of ABLATIONS: no_vlens, no_sink, no_merge_gate, no_head_temps,
+    no_append_gate; see `KVMAttention.ablated`); swa_window: tokens an swa layer sees;
+    bswa_chunk_len and bswa_window_chunks: the block window of bswa layers; rwkv_chunk_len:
+    tokens per chunk of the rwkv7 layers' recurrence (RWKV-7 time mixing with n_heads heads of
+    head_dim channels; it needs n_kv_heads == n_heads, always shifts tokens and mixes in the
+    first layer's values after the first layer). Pre-LayerNorm blocks, qk LayerNorm (attention
+    layers), RoPE (the first kvm.rope_dim channels in kvm layers, `rope_dim` elsewhere, None =
+    all), ReLU^2 MLP of mlp_ratio * d_model, untied output head. token_shift and value_residual:
+    the optional shell features of AttentionConfig (value residual in every layer after the
+    first; value_residual_rank 0: a learned mix per KV head, r > 0: per channel through a rank-r
     gate). residual_scale: each block adds residual_scale * mixer and residual_scale * MLP;
     embed_norm: a LayerNorm after the token embedding; vocab_multiple: vocab_size is rounded up
-    to a multiple of it (the paper's 50304 for GPT-2's 50257 tokens at 64).
-    n_kv_heads None is stored as n_heads. bos/eos/pad_token_id: the tokenizer's special tokens,
-    which the model's generation_config takes (generation stops at eos by default).
-    transformers' usual names read and write the same fields (`attribute_map`): hidden_size,
-    num_hidden_layers, num_attention_heads, num_key_value_heads.
+    to a multiple of it (the paper's 50304 for GPT-2's 50257 tokens at 64). n_kv_heads None is
+    stored as n_heads. bos/eos/pad_token_id: the tokenizer's special tokens, which the model's
+    generation_config takes (generation stops at eos by default). transformers' usual names read
+    and write the same fields (`attribute_map`): hidden_size, num_hidden_layers,
+    num_attention_heads, num_key_value_heads.
     """
 
     model_type = "longkv"
@@ -61,6 +63,7 @@ class LongKVConfig(PreTrainedConfig):
         layout: list[str] | None = None,
         kvm: dict[str, Any] | None = None,
         kvm_ablations: list[str] | None = None,
+        ovq: dict[str, Any] | None = None,
         swa_window: int = 256,
         bswa_chunk_len: int = 256,
         bswa_window_chunks: int = 2,
@@ -91,6 +94,7 @@ class LongKVConfig(PreTrainedConfig):
         self.layout = list(layout) if layout is not None else None
         self.kvm = dict(kvm) if kvm is not None else {}
         self.kvm_ablations = list(kvm_ablations) if kvm_ablations is not None else []
+        self.ovq = dict(ovq) if ovq is not None else {}
         self.swa_window = swa_window
         self.bswa_chunk_len = bswa_chunk_len
         self.bswa_window_chunks = bswa_window_chunks
@@ -142,6 +146,13 @@ class LongKVConfig(PreTrainedConfig):
             "kvm",
             f"unknown KVMConfig fields {sorted(set(self.kvm) - known)}; use {sorted(known)}",
         )
+        known_ovq = {f.name for f in fields(OVQConfig)}
+        require(
+            set(self.ovq) <= known_ovq, self, "ovq",
+            f"unknown OVQConfig fields {sorted(set(self.ovq) - known_ovq)}; use "
+            f"{sorted(known_ovq)}",
+        )  # fmt: skip
+        self.ovq_config()  # validates the ovq layers' settings
         unknown = sorted(set(self.kvm_ablations) - set(ABLATIONS))
         require(
             not unknown,
@@ -193,6 +204,10 @@ class LongKVConfig(PreTrainedConfig):
         """The KVMConfig of the kvm layers."""
         return KVMConfig(**self.kvm)
 
+    def ovq_config(self) -> OVQConfig:
+        """The OVQConfig of the ovq layers."""
+        return OVQConfig(**self.ovq)
+
     @classmethod
     def _from_preset(cls, base: dict[str, Any], overrides: dict[str, Any]) -> LongKVConfig:
         """A preset's fields `base` with `overrides` over them; a `kvm` mapping in overrides
@@ -238,9 +253,9 @@ def _kvm(config: KVMConfig, **fields: Any) -> dict[str, Any]:
     return dict(kvm=asdict(config), **fields)
 
 
-# The KVM paper's model sizes and models (training.md 1.5), as LongKVConfig fields: each model
-# a function of the layer count. RoPE: 64 of 128 channels in kvm, full and bswa layers, all of
-# them in the swa layers of the hybrid (its even layers).
+# The KVM paper's model sizes and models (training.md 1.5, ovq.md 7), as LongKVConfig fields:
+# each model a function of the layer count. RoPE: 64 of 128 channels in kvm, full and bswa
+# layers, all of them in the swa layers of the hybrids (their even layers), none in ovq layers.
 PAPER_SIZES: dict[str, dict[str, Any]] = {
     "120m": dict(d_model=768, n_layers=12, n_heads=6, residual_scale=1.0),
     "350m": dict(d_model=1024, n_layers=24, n_heads=8, residual_scale=0.5),
@@ -251,6 +266,12 @@ PAPER_MODELS: dict[str, Callable[[int], dict[str, Any]]] = {
     "kvm_swa_saturation": lambda n: _kvm(
         KVMConfig.paper_saturation(),
         layout=["swa", "kvm"] * (n // 2) + ["swa"] * (n % 2),
+        swa_window=256,
+        rope_dim=None,
+    ),
+    "ovq_swa_saturation": lambda n: dict(
+        ovq=asdict(OVQConfig.paper()),
+        layout=["swa", "ovq"] * (n // 2) + ["swa"] * (n % 2),
         swa_window=256,
         rope_dim=None,
     ),

@@ -33,6 +33,8 @@ from longkv.data import IGNORE
 from longkv.kvm.layer import KVMAttention
 from longkv.kvm.state import KVMState
 from longkv.models.config import LongKVConfig
+from longkv.ovq.layer import OVQAttention
+from longkv.ovq.state import OVQState
 from longkv.results import follow_umask, write_atomic
 from longkv.rwkv.layer import RWKV7
 from longkv.rwkv.state import RWKV7State
@@ -42,13 +44,13 @@ from longkv.rwkv.state import RWKV7State
 class LayerCache:
     """What one layer carries between calls.
 
-    mixer: its token mixer's state (KVMState for kvm layers, RWKV7State for rwkv7 layers,
-    WindowCache for the others; None before the first token); last_input: its normalised input
-    at the last token, (B, d_model), for token shift (rwkv7 layers always; None in other layers
-    of a model without token shift).
+    mixer: its token mixer's state (KVMState for kvm layers, OVQState for ovq layers,
+    RWKV7State for rwkv7 layers, WindowCache for the others; None before the first token);
+    last_input: its normalised input at the last token, (B, d_model), for token shift (rwkv7
+    layers always; None in other layers of a model without token shift).
     """
 
-    mixer: KVMState | WindowCache | RWKV7State | None = None
+    mixer: KVMState | OVQState | WindowCache | RWKV7State | None = None
     last_input: Tensor | None = None
 
     def select_rows(self, rows: Tensor) -> None:
@@ -140,6 +142,8 @@ def build_mixer(config: LongKVConfig, kind: str, layer: int) -> AttentionLayer |
     if kind == "kvm":  # rotates the kvm.rope_dim channels its state zeroes
         shell = replace(shell, rope_dim=None)
         return KVMAttention.ablated(shell, config.kvm_config(), *config.kvm_ablations)
+    if kind == "ovq":  # no RoPE, no qk LayerNorm: the layer sets its shell
+        return OVQAttention(shell, config.ovq_config())
     if kind == "full":
         return FullAttention(shell)
     if kind == "swa":
