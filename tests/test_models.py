@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 from conftest import assert_same_training, loss_and_grads, tiny_longkv, unmapped
 from longkv.kvm.state import KVMState
 from longkv.models import LongKVConfig, LongKVForCausalLM
+from longkv.ovq.state import OVQState
 
 V, T = 53, 40
 
@@ -98,7 +99,7 @@ def test_save_and_load_reproduce_the_logits(tmp_path: Path) -> None:
 def test_every_mixer_trains_and_decodes_in_bf16(name: str, precision: str) -> None:
     """bf16-autocast: float32 parameters, bfloat16 activations (the loss within 2e-2 of
     float32's); bf16: bfloat16 parameters and activations (within 5e-2). Either way finite
-    gradients on every parameter, float32 KVM states, and greedy decoding runs."""
+    gradients on every parameter, float32 KVM and OVQ states, and greedy decoding runs."""
     layout, budget, *extras = CASES[name]
     model = tiny(layout, budget, *extras).float().train()
     ids = torch.randint(0, V, (2, T), generator=torch.Generator().manual_seed(0))
@@ -112,7 +113,9 @@ def test_every_mixer_trains_and_decodes_in_bf16(name: str, precision: str) -> No
     loss, tolerance = out.loss, 2e-2 if autocast else 5e-2
     assert loss is not None and ref is not None
     assert abs(float(loss.detach()) - float(ref)) <= tolerance
-    states = [layer.mixer for layer in out.cache.layers if isinstance(layer.mixer, KVMState)]
+    states = [
+        m for m in (layer.mixer for layer in out.cache.layers) if isinstance(m, KVMState | OVQState)
+    ]
     assert all(s.slots.tensor.dtype == torch.float32 for s in states)
     loss.backward()
     for param_name, p in model.named_parameters():

@@ -7,8 +7,9 @@ sequence can be fed in any segmentation, with positions continuing from `state.s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -23,6 +24,26 @@ from longkv.attention.functional import (
 from longkv.attention.rope import apply_rope
 from longkv.attention.state import WindowCache
 from longkv.checks import require, require_at_least
+
+S = TypeVar("S")
+
+
+def in_state_precision(
+    q: Tensor, attend: Callable[[Callable[[Tensor | None], Tensor | None]], tuple[Tensor, S]]
+) -> tuple[Tensor, S]:
+    """Run a state-carrying attention in at least float32 with autocast off, so that its state
+    (sums, counts, norms) stays float32 under bf16 autocast or bf16 parameters (in bf16 a count
+    stops at 256 and a sum of many keys loses their differences). attend(wide) receives the
+    cast to use on its tensors (None passes through) and returns (out, state); out comes back
+    in q's dtype. The casts pass gradients back."""
+    dtype = torch.promote_types(q.dtype, torch.float32)
+
+    def wide(t: Tensor | None) -> Tensor | None:
+        return None if t is None else t.to(dtype)
+
+    with torch.autocast(q.device.type, enabled=False):
+        out, state = attend(wide)
+    return out.to(q.dtype), state
 
 
 @dataclass(frozen=True)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
 
-from longkv.attention.layers import AttentionConfig, AttentionLayer
+from longkv.attention.layers import AttentionConfig, AttentionLayer, in_state_precision
 from longkv.checks import require
 from longkv.kvm.config import KVMConfig
 from longkv.kvm.functional import kvm_attention, merge_gate
@@ -81,27 +82,15 @@ class KVMAttention(AttentionLayer):
         self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, state: KVMState | None,
         donate: bool = False,
     ) -> tuple[Tensor, KVMState]:  # fmt: skip
-        """kvm_attention with this layer's gates and parameters in at least float32, autocast
-        off: the state's sums, counts and norms stay float32 under bf16 autocast or bf16
-        parameters (in bf16 a count stops at 256 and a sum of many keys loses their
-        differences); the output returns in q's dtype. The casts pass gradients back."""
-        wide = torch.promote_types(q.dtype, torch.float32)
+        """kvm_attention with this layer's gates and parameters, its state in float32
+        (`in_state_precision`)."""
 
-        def wide_(t: Tensor | None) -> Tensor | None:
-            return None if t is None else t.to(wide)
+        def attend(wide: Callable[[Tensor | None], Tensor | None]) -> tuple[Tensor, KVMState]:
+            return kvm_attention(
+                wide(q), wide(k), wide(v), self.kvm, gate=wide(self.merge_gates(x)),
+                state=state, norm_weight=wide(self.state_norm.weight),
+                norm_bias=wide(self.state_norm.bias), window_temp=wide(self.window_temp),
+                state_temp=wide(self.state_temp), donate=donate,
+            )  # fmt: skip
 
-        with torch.autocast(q.device.type, enabled=False):
-            out, state = kvm_attention(
-                q.to(wide),
-                k.to(wide),
-                v.to(wide),
-                self.kvm,
-                gate=wide_(self.merge_gates(x)),
-                state=state,
-                norm_weight=wide_(self.state_norm.weight),
-                norm_bias=wide_(self.state_norm.bias),
-                window_temp=wide_(self.window_temp),
-                state_temp=wide_(self.state_temp),
-                donate=donate,
-            )
-        return out.to(q.dtype), state
+        return in_state_precision(q, attend)

@@ -7,7 +7,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor, nn
 
-from longkv.attention.layers import AttentionConfig, AttentionLayer
+from longkv.attention.layers import AttentionConfig, AttentionLayer, in_state_precision
 from longkv.ovq.config import OVQConfig
 from longkv.ovq.functional import ovq_attention
 from longkv.ovq.state import OVQState
@@ -27,11 +27,10 @@ class OVQAttention(AttentionLayer):
         self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, state: OVQState | None,
         donate: bool = False,
     ) -> tuple[Tensor, OVQState]:  # fmt: skip
-        """ovq_attention in at least float32, autocast off (the dictionary's sums and counts
-        stay float32 under bf16), the output in q's dtype."""
-        wide = torch.promote_types(q.dtype, torch.float32)
-        with torch.autocast(q.device.type, enabled=False):
-            out, state = ovq_attention(
-                q.to(wide), k.to(wide), v.to(wide), self.ovq, self.beta.to(wide), state, donate
-            )
-        return out.to(q.dtype), state
+        """ovq_attention, the dictionary in float32 (`in_state_precision`)."""
+        return in_state_precision(
+            q,
+            lambda wide: ovq_attention(
+                wide(q), wide(k), wide(v), self.ovq, wide(self.beta), state, donate
+            ),
+        )
