@@ -94,6 +94,7 @@ def dataset_sources(tmp_path: Path) -> dict[str, dict[str, Any]]:
     datasets.DatasetDict({"validation": rows}).save_to_disk(tmp_path / "dict")
     rows.to_json(tmp_path / "rows.jsonl")
     (tmp_path / "parquet").mkdir()
+    (tmp_path / "parquet" / "README.md").write_text("not data")  # a folder's other files
     rows.select(range(6)).to_parquet(tmp_path / "parquet" / "a.parquet")
     rows.select(range(6, len(TEXTS))).to_parquet(tmp_path / "parquet" / "b.parquet")
     return {

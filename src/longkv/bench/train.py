@@ -198,8 +198,8 @@ def ratios(rows: list[dict[str, Any]], s: TrainBenchSettings) -> dict[str, dict[
                 # issue 11: KVM's training within 1.3x of full attention's at 2K context
                 "target": f">= {1 / 1.3:.2f}" if variant.startswith("kvm") and T == 2048 else None,
             }
-        first = speed[variant, s.modes[0], T]
         if mode != s.modes[0]:
+            first = speed[variant, s.modes[0], T]
             out[f"{variant} {mode} / {s.modes[0]} tokens/s at {T}"] = {"value": value / first}
     return out
 

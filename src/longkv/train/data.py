@@ -111,11 +111,12 @@ def load_rows(spec: dict[str, Any]) -> Any:
                 )
             rows = rows[split]
         return rows.to_iterable_dataset() if streaming else rows
-    files = sorted(local.iterdir()) if local.is_dir() else [local]
-    builders = {DATA_FILES.get(f.suffix) for f in files} - {None}
-    if len(builders) == 1:  # data files: the split takes them all
+    files = [f for f in (sorted(local.iterdir()) if local.is_dir() else [local])
+             if f.suffix in DATA_FILES]  # fmt: skip
+    builders = {DATA_FILES[f.suffix] for f in files}
+    if len(builders) == 1:  # data files: the split takes them all (a folder's other files not)
         (builder,) = builders
-        data_files = {split: path if not local.is_dir() else str(local / f"*{files[0].suffix}")}
+        data_files = {split: [str(f) for f in files] if local.is_dir() else path}
         return datasets.load_dataset(
             builder, data_files=data_files, split=split, streaming=streaming
         )
