@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 
@@ -91,6 +92,32 @@ def test_peak_memory_sees_a_temporary_allocation() -> None:
     assert peak is not None and 150e6 < peak < 400e6
     _, small = peak_memory(lambda: None, torch.device("cpu"))
     assert small is not None and small < 50e6
+
+
+@pytest.mark.skipif(not cpu_peak_supported(), reason="needs Linux /proc/self/clear_refs")
+def test_peak_memory_is_not_hidden_by_garbage_collected_during_the_call() -> None:
+    """Memory held by a reference cycle from before the call is freed before it, not inside it
+    (where a collection would lower the resident set by more than the call adds)."""
+
+    class Cycle:
+        def __init__(self) -> None:
+            self.me, self.held = self, torch.ones(25_000_000)  # 100 MB
+
+    def allocate() -> int:
+        [[] for _ in range(10_000)]  # enough allocations for a collection to start
+        x = torch.ones(5_000_000)  # 20 MB
+        return int(x[0])
+
+    thresholds = gc.get_threshold()
+    gc.collect()
+    gc.set_threshold(5_000)  # not before the call, but inside it
+    Cycle()
+    try:
+        _, peak = peak_memory(allocate, torch.device("cpu"))
+    finally:
+        gc.set_threshold(*thresholds)
+    assert peak is not None and 15e6 < peak < 60e6
+    assert gc.isenabled()
 
 
 @pytest.mark.skipif(not cpu_peak_supported(), reason="needs Linux /proc/self/clear_refs")
