@@ -123,12 +123,14 @@ class KeySet:
     """One set of keys for `attend_key_sets`: grouped queries q (B, Hkv, G, Lq, Dk), with the
     softmax scale (and any temperature) already multiplied in, against keys k (B, Hkv, Lk, Dk)
     and values v (B, Hkv, Lk, Dv); causal: the last Lq keys are the queries' own tokens, each
-    query seeing those up to itself (every other key is visible to every query)."""
+    query seeing those up to itself (every other key is visible to every query); bias
+    (B, Hkv, Lk): added to every query's logit of each key (None: 0)."""
 
     q: Tensor
     k: Tensor
     v: Tensor
     causal: bool = False
+    bias: Tensor | None = None
 
 
 def records_grad(*tensors: Tensor | None) -> bool:
@@ -157,7 +159,11 @@ def attend_key_sets(sets: list[KeySet]) -> Tensor:
     out, lse = None, None
     for i, s in enumerate(sets):
         q = _widen(s.q.reshape(B, Hkv, G * Lq, Dk), D)  # the G heads of a group share the keys
-        mask = _causal_tail(Lq, s.k.shape[2], G, q.dtype, q.device) if s.causal else None
+        causal = s.causal and Lq > 1  # a single query sees every key of its set
+        mask = _causal_tail(Lq, s.k.shape[2], G, q.dtype, q.device) if causal else None
+        if s.bias is not None:  # (B, Hkv, 1, Lk): the kernel broadcasts it over the queries
+            bias = s.bias.unsqueeze(2)
+            mask = bias if mask is None else bias + mask
         o, m = _FLASH_CPU(q, _widen(s.k, D), _widen(s.v, D), attn_mask=mask, scale=1.0)[:2]
         if out is None or lse is None:
             out, lse = o, m
@@ -178,7 +184,7 @@ def _fused(sets: list[KeySet]) -> bool:
     """Whether the fused CPU kernel runs the sets: on the CPU, without gradients."""
     if _FLASH_CPU is None or sets[0].q.device.type != "cpu":
         return False
-    return not records_grad(*(t for s in sets for t in (s.q, s.k, s.v)))
+    return not records_grad(*(t for s in sets for t in (s.q, s.k, s.v, s.bias)))
 
 
 @functools.lru_cache(maxsize=16)
@@ -197,6 +203,8 @@ def _attend_concatenated(sets: list[KeySet]) -> Tensor:
     logits = []
     for s in sets:
         part = (s.q.reshape(B, Hkv, G * Lq, -1) @ s.k.transpose(-1, -2)).view(B, Hkv, G, Lq, -1)
+        if s.bias is not None:
+            part = part + s.bias[:, :, None, None, :]
         if s.causal:
             part[..., part.shape[-1] - Lq :].masked_fill_(hidden_future(Lq, part.device), -math.inf)
         logits.append(part)

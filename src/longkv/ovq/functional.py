@@ -8,7 +8,7 @@ any visible centroid (in the first chunk: to the chunk's first token), and every
 joins the visible centroid of the largest dot product, whose running mean it moves.
 
 `ovq_attention` runs each piece of a chunk as one fused attention over the two key sets (the
-count bias folded into an extra key channel) and each commit as one similarity matmul and an
+count bias added to the centroids' logits) and each commit as one similarity matmul and an
 indexed add; `naive.ovq_attention_naive` is its token-by-token reference.
 """
 
@@ -36,7 +36,7 @@ NORM_EPS = 1e-5  # added to the norm, as the reference's x / (|x| + eps)
 
 def unit(x: Tensor) -> Tensor:
     """x / (|x| + 1e-5) over the last dim (the reference's normalisation)."""
-    return x / (x.norm(dim=-1, keepdim=True) + NORM_EPS)
+    return x / (torch.linalg.vector_norm(x, dim=-1, keepdim=True) + NORM_EPS)
 
 
 def empty_state(config: OVQConfig, k: Tensor, v: Tensor) -> OVQState:
@@ -62,8 +62,8 @@ def assign(keys: Tensor, means: Tensor, m: int) -> Tensor:
         novelty[..., 0] = math.inf  # which never founds
     else:
         sim = keys @ means.transpose(-1, -2)  # (B, Hkv, C, d)
-        slot = sim.argmax(-1)  # the first of equal maxima
-        novelty, founders, first = sim.gather(-1, slot.unsqueeze(-1))[..., 0], m, d
+        novelty, slot = sim.max(-1)  # the index of the first of equal maxima
+        founders, first = m, d
     if founders:
         order = novelty.sort(dim=-1, stable=True).indices[..., :founders]  # least similar first
         new = torch.arange(first, first + founders, device=keys.device).expand_as(order)
@@ -79,7 +79,7 @@ def commit(state: OVQState, keys: Tensor, values: Tensor, own: bool = False) -> 
     d = state.visible
     m = config.size(state.committed + C) - d
     with torch.no_grad():  # the choices are discrete: no gradient flows through them
-        means = state.means(d)[0] if d else keys[:, :, :0]
+        means = state.centroids().k if d else keys[:, :, :0]
         slot = assign(keys.detach(), means.detach(), m)
     rows = state.slots
     need = max(len(rows), d + m if d else max(m, 1))
@@ -109,23 +109,24 @@ def ovq_attention(
     dims = check_qkv(q, k, v)
     _, H, T, Dk = q.shape
     beta = check_optional("beta", beta, (H,), q)
-    scale = math.sqrt(Dk) * (q.new_ones(H) if beta is None else beta)
-    qs = group_heads(unit(q) * scale.view(1, H, 1, 1), dims.Hkv)  # (B, Hkv, G, T, Dk)
+    scale = math.sqrt(Dk) if beta is None else math.sqrt(Dk) * beta.view(1, H, 1, 1)
+    qs = group_heads(unit(q) * scale, dims.Hkv)  # (B, Hkv, G, T, Dk)
     kn = unit(k)
     if state is None:
         state = empty_state(config, k, v)
     else:
         state.pending.check_fits(dims, q)
     C = config.chunk_len
-    outs, i = [], 0
+    outs, i, own_rows = [], 0, donate
     while i < T:
         take = min(T - i, C - state.seen % C)  # the rest of the open chunk, at most
         pending = state.pending.extend(kn[:, :, i : i + take], v[:, :, i : i + take], own=donate)
-        outs.append(_attend(state, qs[:, :, :, i : i + take], pending))
-        state = OVQState(config, state.slots, pending)
+        state = state.with_read(pending)
+        outs.append(_attend(state, qs[:, :, :, i : i + take]))
         if pending.seen % C == 0:  # the chunk is complete: it joins the dictionary
-            slots = commit(state, pending.k, pending.v, own=donate)
+            slots = commit(state, pending.k, pending.v, own=own_rows)
             state = OVQState(config, slots, _empty_at(pending))
+            own_rows = True  # a commit returns rows of its own: later ones may write in place
         i += take
     out = torch.cat(outs, dim=3) if len(outs) > 1 else outs[0]
     return ungroup_heads(out), state
@@ -137,18 +138,13 @@ def _empty_at(pending: WindowCache) -> WindowCache:
     return WindowCache.of(k[:, :, :0], v[:, :, :0], pending.seen)
 
 
-def _attend(state: OVQState, qs: Tensor, pending: WindowCache) -> Tensor:
-    """Grouped queries qs (B, Hkv, G, L, Dk) of the last L tokens of `pending` against the
+def _attend(state: OVQState, qs: Tensor) -> Tensor:
+    """Grouped queries qs (B, Hkv, G, L, Dk) of the last L tokens of the open chunk against the
     visible centroids (their logits raised by log(count)) and the open chunk, causally:
-    (B, Hkv, G, L, Dv). The bias rides on one more channel: [q, 1] . [mean, log n]."""
-    d = state.visible
-    if d == 0:
-        return attend_key_sets([KeySet(qs, pending.k, pending.v, causal=True)])
-    keys, values, count = state.means(d)
-    bias = count.log() if state.config.count_bias else torch.zeros_like(count)
-    ones = qs.new_ones(*qs.shape[:-1], 1)
-    q1 = torch.cat([qs, ones], dim=-1)
-    centroids = KeySet(q1, torch.cat([keys, bias.unsqueeze(-1)], dim=-1), values)
-    zeros = pending.k.new_zeros(*pending.k.shape[:-1], 1)
-    chunk = KeySet(q1, torch.cat([pending.k, zeros], dim=-1), pending.v, causal=True)
-    return attend_key_sets([centroids, chunk])
+    (B, Hkv, G, L, Dv)."""
+    pending = state.pending
+    chunk = KeySet(qs, pending.k, pending.v, causal=True)
+    if state.visible == 0:
+        return attend_key_sets([chunk])
+    keys, values, bias = state.centroids()
+    return attend_key_sets([KeySet(qs, keys, values, bias=bias), chunk])

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from longkv.attention.state import Rows, WindowCache, tensor_bytes
 from longkv.ovq.config import OVQConfig
+
+
+class Centroids(NamedTuple):
+    """What a query reads from the visible centroids: mean keys (B, Hkv, d, Dk), mean values
+    (B, Hkv, d, Dv) and the logit bias (B, Hkv, d) (log count, or None without the bias)."""
+
+    k: Tensor
+    v: Tensor
+    bias: Tensor | None
 
 
 @dataclass(frozen=True)
@@ -21,12 +31,14 @@ class OVQState:
     and raw values of the open chunk, tokens [committed, seen). Every complete chunk has joined
     the dictionary (an eager commit, as the reference's decode cache). Queries see the first
     `visible` rows, config.size(committed); R exceeds it only while the schedule still gives 0
-    centroids and slot 0 already holds tokens (spec ovq.md 9.11).
+    centroids and slot 0 already holds tokens (spec ovq.md 9.11). read: the visible centroids'
+    `Centroids`, computed once per commit and carried until the next (None: not yet computed).
     """
 
     config: OVQConfig
     slots: Rows
     pending: WindowCache
+    read: Centroids | None = field(default=None, compare=False, repr=False)
 
     @property
     def seen(self) -> int:
@@ -56,10 +68,22 @@ class OVQState:
         Dk = self.key_dim
         return slots[..., :Dk] / count, slots[..., Dk:-1] / count, count[..., 0]
 
+    def centroids(self) -> Centroids:
+        """The visible centroids as a query reads them (`read`, or computed from the rows)."""
+        if self.read is not None:
+            return self.read
+        keys, values, count = self.means()
+        return Centroids(keys, values, count.log() if self.config.count_bias else None)
+
+    def with_read(self, pending: WindowCache) -> OVQState:
+        """This dictionary with another open chunk, its centroids' read computed and kept."""
+        return OVQState(self.config, self.slots, pending, self.centroids())
+
     @property
     def nbytes(self) -> int:
-        """Bytes of the dictionary's rows and the open chunk."""
-        return tensor_bytes(self.slots.tensor) + self.pending.nbytes
+        """Bytes of the dictionary's rows, its read (where kept) and the open chunk."""
+        read = 0 if self.read is None else sum(map(tensor_bytes, self.read))
+        return tensor_bytes(self.slots.tensor) + read + self.pending.nbytes
 
     @property
     def batch_size(self) -> int:
