@@ -35,6 +35,8 @@ def test_bench_kvm_writes_results_with_provenance(
     assert runs == {(m, T) for m in METHODS for T in (64, 256)}
     for m in data["measurements"]:
         assert m["prefill_s"] > 0 and m["decode_s_per_token"] > 0 and m["state_bytes"] > 0
+    assert data["ratios"]["ovq / bswa decode per token at 256"]["target"] == "<= 1.5"
+    assert data["ratios"]["ovq state / its bound at 256"]["met"]
     ratio = data["ratios"]["kvm_fixed / bswa prefill at 256"]
     assert ratio["target"] == "<= 2" and ratio["value"] > 0
     assert "kvm_fixed / bswa prefill at 256" in printed
@@ -163,6 +165,30 @@ def test_flop_counts_follow_the_states_a_run_goes_through() -> None:
     assert work.decode_flops == (shape.attention(pairs[1]) + shape.similarity(sims[1])) / n_dec
     full = window_work(lambda p: 0, T, n_dec, shape)
     assert full.prefill_flops == shape.attention(T * (T + 1) / 2)
+
+
+def test_ovq_flop_counts_follow_the_dictionary_a_run_holds() -> None:
+    """ovq_work's pairs and similarities, counted again from a token-by-token run: each query
+    sees the centroids visible in its chunk and its chunk up to itself; each complete chunk is
+    compared with the centroids before it (the first chunk with its first token)."""
+    from longkv.bench.flops import Shape, ovq_work
+    from longkv.ovq import OVQConfig, ovq_attention
+
+    config, T, n_dec = OVQConfig(chunk_len=4, max_centroids=6), 29, 7
+    q, k, v = torch.randn(3, 1, 2, T + n_dec, 8, generator=torch.Generator().manual_seed(0))
+    pairs, sims, state = [0.0, 0.0], [0.0, 0.0], None
+    for p in range(T + n_dec):
+        visible = 0 if state is None else state.visible
+        _, state = ovq_attention(q[..., p : p + 1, :], k[..., p : p + 1, :], v[..., p : p + 1, :],
+                                 config, state=state)  # fmt: skip
+        pairs[p >= T] += visible + p % 4 + 1
+        if state.seen % 4 == 0:
+            sims[p >= T] += 4 * max(visible, 1)
+    shape = Shape(B=1, H=2, Hkv=2, D=8)
+    work = ovq_work(config, T, n_dec, shape)
+    assert work.prefill_flops == shape.attention(pairs[0]) + shape.similarity(sims[0])
+    assert work.decode_flops == (shape.attention(pairs[1]) + shape.similarity(sims[1])) / n_dec
+    assert sims[0] and sims[1]  # the decode completes a chunk
 
 
 def test_compared_runs_report_what_each_query_attends_and_the_bytes_each_cache_holds() -> None:

@@ -3,7 +3,8 @@ this machine runs matmuls of the same shapes: together the floor a benchmark com
 
 Counted are the multiply-adds the math asks for (2 FLOPs each): q.k and p.v over every
 (query, visible key) pair, and KVM's similarity of each leaving token to the slots (spec
-section 5); masked pairs, softmax, norms and copies are not. A run at its floor would spend
+section 5) or OVQ's of each committed token to the centroids; masked pairs, softmax, norms,
+the count bias and copies are not. A run at its floor would spend
 all its time in matmuls at the measured rate.
 """
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from longkv.kvm.config import KVMConfig, desired_state_len
+from longkv.ovq.config import OVQConfig
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,21 @@ def kvm_work(config: KVMConfig, T: int, n_decode: int, shape: Shape) -> Work:
                 sims[part] += C * (S + n)
             S, cov = S + n, lo
         pairs[part] += (S if c >= N else 0) + p - lo + 1
+    return _work(shape, pairs, sims, T, n_decode)
+
+
+def ovq_work(config: OVQConfig, T: int, n_decode: int, shape: Shape) -> Work:
+    """The work of `ovq_attention` over tokens [0, T) in one call, then n_decode more one at a
+    time: per query, the centroids visible in its chunk and its chunk up to itself; per complete
+    chunk, its tokens' similarity to the centroids before it (the first chunk: to its first
+    token)."""
+    C = config.chunk_len
+    pairs, sims = [0.0, 0.0], [0.0, 0.0]
+    for p in range(T + n_decode):
+        part, start = int(p >= T), p // C * C
+        pairs[part] += config.size(start) + p - start + 1
+        if p % C == C - 1:
+            sims[part] += C * max(config.size(start), 1)
     return _work(shape, pairs, sims, T, n_decode)
 
 

@@ -1,4 +1,4 @@
-"""`longkv bench kvm`: prefill and decode cost of KVM against BSWA and full attention.
+"""`longkv bench kvm`: prefill and decode cost of KVM and OVQ against BSWA and full attention.
 
 Every method runs on the same random q, k, v in one process, so the printed ratios compare
 numbers measured side by side. Times are medians over rounds that time every method in turn
@@ -27,11 +27,12 @@ from tqdm import tqdm
 
 from longkv.attention import block_sliding_window_attention, full_attention
 from longkv.bench import check_threads, ratios_table, threads_setting, use_threads, verdict
-from longkv.bench.flops import Shape, Work, gemm_rate, kvm_work, window_work
+from longkv.bench.flops import Shape, Work, gemm_rate, kvm_work, ovq_work, window_work
 from longkv.bench.memory import keep_freed_heap, peak_memory
 from longkv.checks import require, require_at_least, require_known, setting
 from longkv.dtypes import DTYPES
 from longkv.kvm import KVMConfig, kvm_attention
+from longkv.ovq import OVQConfig, ovq_attention
 from longkv.results import (
     OUT_DIR,
     OUT_DIR_HELP,
@@ -45,7 +46,7 @@ from longkv.results import (
 # The floor's matmul rate is measured for a chunk of queries against the mean keys a query
 # sees, at most this many: torch's fused attention kernel computes in blocks of <= 512 keys.
 KV_BLOCK = 512
-METHODS = ("kvm_fixed", "kvm_sqrt", "kvm_saturation", "bswa", "full")
+METHODS = ("kvm_fixed", "kvm_sqrt", "kvm_saturation", "ovq", "bswa", "full")
 Step = Callable[[Tensor, Tensor, Tensor, Any, bool], tuple[Tensor, Any]]
 
 
@@ -57,7 +58,7 @@ class BenchSettings:
     batch: int = setting(1, "batch size B")
     heads: int = setting(4, "attention heads H")
     head_dim: int = setting(64, "head dimension D")
-    chunk_len: int = setting(256, "KVM and BSWA chunk length C")
+    chunk_len: int = setting(256, "KVM, OVQ and BSWA chunk length C")
     window_chunks: int = setting(2, "chunks in the local window N")
     dtype: str = setting("fp32", "dtype of q, k, v", choices=sorted(DTYPES))
     device: str = setting("cpu", "torch device, e.g. cuda")
@@ -109,6 +110,11 @@ def kvm_configs(s: BenchSettings) -> dict[str, KVMConfig]:
     }
 
 
+def ovq_config(s: BenchSettings) -> OVQConfig:
+    """The OVQ method's config: the paper's (M = 1024 centroids, saturating) with this run's C."""
+    return OVQConfig.paper(chunk_len=s.chunk_len)
+
+
 def kvm_step(config: KVMConfig) -> Step:
     return lambda q, k, v, state, donate: kvm_attention(q, k, v, config, state=state, donate=donate)
 
@@ -117,6 +123,9 @@ def method_steps(s: BenchSettings) -> dict[str, Step]:
     """One call of each method: (q, k, v, state, donate) -> (out, state)."""
     return {
         **{name: kvm_step(config) for name, config in kvm_configs(s).items()},
+        "ovq": lambda q, k, v, state, donate: ovq_attention(
+            q, k, v, ovq_config(s), state=state, donate=donate
+        ),
         "bswa": lambda q, k, v, state, donate: block_sliding_window_attention(
             q, k, v, s.chunk_len, s.window_chunks, state=state, donate=donate
         ),
@@ -128,6 +137,8 @@ def method_work(s: BenchSettings, method: str, T: int) -> Work:
     """The matmul work of a method's prefill of T tokens and its decode steps."""
     if method in kvm_configs(s):
         return kvm_work(kvm_configs(s)[method], T, s.n_decode, s.shape)
+    if method == "ovq":
+        return ovq_work(ovq_config(s), T, s.n_decode, s.shape)
     C, N = s.chunk_len, s.window_chunks
     lo = (lambda p: (p // C - N + 1) * C) if method == "bswa" else (lambda p: 0)
     return window_work(lo, T, s.n_decode, s.shape)
@@ -237,8 +248,11 @@ def measure(steps: dict[str, Step], T: int, s: BenchSettings) -> list[Measuremen
     return out
 
 
-# time / floor targets of the KVM prefills (issue 11), from this length on
-FLOOR_TARGETS = {"kvm_fixed": (8192, 1.3), "kvm_sqrt": (32768, 1.5), "kvm_saturation": (32768, 1.5)}
+# time / floor targets of the KVM (issue 11) and OVQ (issue 25) prefills, from this length on
+FLOOR_TARGETS = {
+    "kvm_fixed": (8192, 1.3), "kvm_sqrt": (32768, 1.5), "kvm_saturation": (32768, 1.5),
+    "ovq": (8192, 1.5),
+}  # fmt: skip
 SPEEDUP_FROM = 32768  # full / kvm_fixed prefill >= 12 is a target for 32K tokens and longer
 
 
@@ -272,6 +286,8 @@ def ratios(r: BenchResult) -> dict[str, dict[str, Any]]:
             m = r.get(method, T)
             name = f"{method} prefill time / floor at {T}"
             add(name, m.prefill_s / m.prefill_floor_s, ("<=", limit), start, T)
+    if "ovq" in s.methods:
+        _ovq_ratios(r, add)
     if "kvm_fixed" not in s.methods:
         return out
     fixed = {T: r.get("kvm_fixed", T) for T in lengths}
@@ -302,6 +318,26 @@ def ratios(r: BenchResult) -> dict[str, dict[str, Any]]:
                 ("<=", 1.5) if hi == T else None,
             )
     return out
+
+
+def ovq_state_bound(s: BenchSettings) -> int:
+    """Bytes of the largest OVQ state: M centroid rows [keys | values | count], their read
+    [mean key | mean value | log count] and a chunk of keys and values."""
+    rows = 2 * ovq_config(s).max_centroids * (2 * s.head_dim + 1) + s.chunk_len * 2 * s.head_dim
+    return s.batch * s.heads * rows * DTYPES[s.dtype].itemsize
+
+
+def _ovq_ratios(r: BenchResult, add: Callable[..., None]) -> None:
+    """OVQ's state against its bound at every length, and its decode against BSWA's (the
+    target at the longest length)."""
+    s, hi = r.settings, max(r.settings.lengths)
+    for T in sorted(s.lengths):
+        m = r.get("ovq", T)
+        bound = ovq_state_bound(s)
+        add(f"ovq state / its bound at {T}", m.state_bytes / bound, ("<=", 1))
+        if "bswa" in s.methods:
+            slower = m.decode_s_per_token / r.get("bswa", T).decode_s_per_token
+            add(f"ovq / bswa decode per token at {T}", slower, ("<=", 1.5) if T == hi else None)
 
 
 def run(s: BenchSettings, argv: list[str] | None = None) -> BenchResult:
@@ -384,7 +420,8 @@ def markdown_body(r: BenchResult) -> list[str]:
         f"median over {s.repeats} runs of the mean of {s.n_decode} tokens; heap kept: "
         f"{p.get('heap_kept')}",
         "- floor: the matmul FLOPs the method needs (GFLOP: q.k and p.v over the visible "
-        "pairs, and KVM's token-slot similarities) at the rate this machine ran matmuls of "
+        "pairs, KVM's token-slot and OVQ's token-centroid similarities) at the rate this "
+        "machine ran matmuls of "
         "the same shapes in this run (`longkv.bench.flops`)",
         "",
         *markdown_table(COLUMNS, map(cells, r.measurements), "<" + ">" * (len(COLUMNS) - 1)),
