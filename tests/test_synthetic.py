@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -213,12 +214,48 @@ def test_accuracy_by_distance_handmade_batch() -> None:
         (dict(vocab_size=31, num_pairs=8, filler_vocab=16), "MQARConfig.vocab_size"),
         (dict(filler_vocab=0), "MQARConfig.filler_vocab"),
         (dict(seed=1.5), "MQARConfig.seed"),
+        (dict(lead_kind="noise"), "MQARConfig.lead_kind"),
+        (dict(lead_kind="novel", lead=4), "MQARConfig.lead_vocab"),
+        (dict(lead_vocab=8, lead=4), "MQARConfig.lead_vocab"),
+        (dict(vocab_size=63, lead_kind="novel", lead_vocab=32), "MQARConfig.vocab_size"),
     ],
 )
 def test_bad_settings_name_the_field(kwargs: dict, field: str) -> None:
     with pytest.raises(SettingError) as err:
         MQARConfig(**kwargs)
     assert err.value.field == field
+
+
+@pytest.mark.parametrize("kind", ["novel", "repeated"])
+def test_a_lead_of_its_own_ids_comes_before_the_pairs_and_shares_no_id(kind: str) -> None:
+    c = MQARConfig(num_pairs=4, num_queries=4, gap=6, vocab_size=600, lead=300, lead_kind=kind,
+                   lead_vocab=400, seed=3)  # fmt: skip
+    batch = make_mqar(c, 5)
+    ids, n = batch.input_ids, c.key_vocab
+    assert n == 92 and c.lead_start == 2 * n + 16
+    assert ids.shape == (5, 300 + 8 * 2 + 6) and c.query_start == 300 + 8 + 6
+    lead, rest = ids[:, :300], ids[:, 300:]
+    assert ((lead >= c.lead_start) & (lead < c.lead_start + 400)).all()
+    assert (rest < c.lead_start).all()  # keys, values and the gap's filler: no lead id
+    gap = rest[:, 8:14]
+    assert ((gap >= 2 * n) & (gap < 2 * n + 16)).all()
+    distinct = [len(set(row.tolist())) for row in lead]
+    if kind == "novel":  # 300 draws of 400 ids: about 210 distinct (400 (1 - e^-0.75))
+        assert all(180 < d < 240 for d in distinct)
+    else:
+        assert distinct == [4] * 5 and lead[0, :8].tolist() == [
+            c.lead_start + i % 4 for i in range(8)
+        ]
+    assert torch.equal(make_mqar(c, 5).input_ids, ids)  # seeded
+    assert not torch.equal(make_mqar(replace(c, seed=4), 5).input_ids, ids)
+    # the same pairs and queries are scored wherever they stand: only positions move
+    assert int(batch.scored.sum()) == 5 * 4
+    assert (
+        batch.distance[batch.scored].tolist()
+        == make_mqar(replace(c, lead=0), 5)
+        .distance[make_mqar(replace(c, lead=0), 5).scored]
+        .tolist()
+    )
 
 
 def test_bad_scoring_inputs() -> None:

@@ -121,10 +121,11 @@ def kvm_step(config: KVMConfig) -> Step:
 
 def method_steps(s: BenchSettings) -> dict[str, Step]:
     """One call of each method: (q, k, v, state, donate) -> (out, state)."""
+    ovq = ovq_config(s)
     return {
         **{name: kvm_step(config) for name, config in kvm_configs(s).items()},
         "ovq": lambda q, k, v, state, donate: ovq_attention(
-            q, k, v, ovq_config(s), state=state, donate=donate
+            q, k, v, ovq, state=state, donate=donate
         ),
         "bswa": lambda q, k, v, state, donate: block_sliding_window_attention(
             q, k, v, s.chunk_len, s.window_chunks, state=state, donate=donate

@@ -11,10 +11,15 @@ Layout of one row (value_len = L, pairs P, queries Q, gap G, lead E):
 
 The lead (none by default) is filler before the pairs, so that rows with different gaps can
 have one length: training rows of one length whose gaps range from 0 up teach recall at every
-distance (with only long gaps, models sit at chance for longer, docs/evals.md section 2).
+distance (with only long gaps, models sit at chance for longer, docs/evals.md section 2). A
+lead of its own ids (`lead_kind` "novel" or "repeated", `lead_vocab` ids) puts the facts after
+a long context that competes for a memory's room: "novel" draws each lead token uniformly from
+the lead ids (with hundreds of ids, almost every token is new), "repeated" cycles through the
+first PATTERN_LEN of them (the contrast: it merges away).
 
-Vocabulary: with n = (vocab_size - filler_vocab) // 2, keys are ids [0, n), values [n, 2n) and
-filler [2n, 2n + filler_vocab); an odd leftover id is unused. Within a row the keys are
+Vocabulary: with n = (vocab_size - filler_vocab - lead_vocab) // 2, keys are ids [0, n), values
+[n, 2n), filler [2n, 2n + filler_vocab) and lead ids the lead_vocab after them; an odd leftover
+id is unused. Within a row the keys are
 distinct, and so is each value's first token, as in Zoology (values sampled without
 replacement); the queried keys are distinct pairs in random order.
 
@@ -40,7 +45,8 @@ from longkv.data import IGNORE
 
 Filler = Literal["repeated", "random"]
 FILLERS: tuple[str, ...] = ("repeated", "random")
-PATTERN_LEN = 4  # the "repeated" filler cycles through the first PATTERN_LEN filler ids
+LEAD_KINDS: tuple[str, ...] = ("filler", "novel", "repeated")
+PATTERN_LEN = 4  # the "repeated" filler (and lead) cycles through the first PATTERN_LEN ids
 
 
 @dataclass(frozen=True)
@@ -50,7 +56,9 @@ class MQARConfig:
     filler "repeated" cycles through min(PATTERN_LEN, filler_vocab) filler ids (little
     novelty); "random" draws each filler token uniformly from the filler ids (novel
     distractors, never a key or a value). value_len > 1 makes each value several tokens, all
-    scored. lead: filler tokens before the pairs (unscored, of the same kind).
+    scored. lead: tokens before the pairs (unscored); lead_kind "filler": filler of the same
+    kind; "novel": drawn uniformly from the lead_vocab lead ids; "repeated": cycling through
+    min(PATTERN_LEN, lead_vocab) of them. The lead ids are none of the keys, values or fillers.
     """
 
     num_pairs: int = 8
@@ -62,8 +70,16 @@ class MQARConfig:
     filler_vocab: int = 16
     seed: int = 0
     lead: int = 0
+    lead_kind: str = "filler"
+    lead_vocab: int = 0
 
     def __post_init__(self) -> None:
+        require(
+            self.lead_kind in LEAD_KINDS,
+            self,
+            "lead_kind",
+            f"must be one of {LEAD_KINDS}, got {self.lead_kind!r}",
+        )
         lows = {
             "num_pairs": 1,
             "num_queries": 1,
@@ -71,6 +87,7 @@ class MQARConfig:
             "filler_vocab": 1,
             "gap": 0,
             "lead": 0,
+            "lead_vocab": 0 if self.lead_kind == "filler" else 1,
         }
         for name, low in lows.items():
             value = getattr(self, name)
@@ -93,26 +110,38 @@ class MQARConfig:
             "filler",
             f"must be one of {FILLERS}, got {self.filler!r}",
         )
-        need = 2 * self.num_pairs + self.filler_vocab
+        require(
+            self.lead_kind != "filler" or self.lead_vocab == 0,
+            self,
+            "lead_vocab",
+            f"is for a novel or repeated lead (lead_kind), got {self.lead_vocab} with a filler "
+            "lead; set lead_kind or drop lead_vocab",
+        )
+        need = 2 * self.num_pairs + self.filler_vocab + self.lead_vocab
         require(
             isinstance(self.vocab_size, int) and self.vocab_size >= need,
             self,
             "vocab_size",
-            f"must be >= 2 * num_pairs + filler_vocab = {need} (distinct keys and values per "
-            f"row, disjoint from the filler ids), got {self.vocab_size!r}; raise vocab_size "
-            "or lower num_pairs or filler_vocab",
+            f"must be >= 2 * num_pairs + filler_vocab + lead_vocab = {need} (distinct keys and "
+            f"values per row, disjoint from the filler and lead ids), got {self.vocab_size!r}; "
+            "raise vocab_size or lower num_pairs, filler_vocab or lead_vocab",
         )
         require(isinstance(self.seed, int), self, "seed", f"must be an int, got {self.seed!r}")
 
     @property
     def key_vocab(self) -> int:
         """n: keys are ids [0, n), values [n, 2n)."""
-        return (self.vocab_size - self.filler_vocab) // 2
+        return (self.vocab_size - self.filler_vocab - self.lead_vocab) // 2
 
     @property
     def filler_start(self) -> int:
         """First filler id (2n); filler ids are [filler_start, filler_start + filler_vocab)."""
         return 2 * self.key_vocab
+
+    @property
+    def lead_start(self) -> int:
+        """First lead id; lead ids are [lead_start, lead_start + lead_vocab)."""
+        return self.filler_start + self.filler_vocab
 
     @property
     def pair_len(self) -> int:
@@ -149,6 +178,14 @@ def _distinct(gen: torch.Generator, batch: int, n: int, k: int) -> Tensor:
     return torch.rand(batch, n, generator=gen).argsort(dim=-1)[:, :k]
 
 
+def _filler(gen: torch.Generator, kind: str, start: int, vocab: int, b: int, n: int) -> Tensor:
+    """(b, n) long: ids [start, start + vocab) drawn uniformly ("random") or cycling through the
+    first min(PATTERN_LEN, vocab) of them ("repeated")."""
+    if kind == "random":
+        return start + torch.randint(vocab, (b, n), generator=gen)
+    return (start + torch.arange(n) % min(PATTERN_LEN, vocab)).expand(b, n)
+
+
 def make_mqar(config: MQARConfig, batch_size: int) -> MQARBatch:
     """A batch of `batch_size` MQAR rows drawn from `config.seed` (see the module doc)."""
     require(
@@ -163,15 +200,16 @@ def make_mqar(config: MQARConfig, batch_size: int) -> MQARBatch:
     keys = _distinct(gen, b, n, p)  # (B, P)
     values = n + torch.stack([_distinct(gen, b, n, p) for _ in range(lv)], dim=-1)  # (B, P, L)
     asked = _distinct(gen, b, p, q)  # (B, Q): which pair each query asks
-    f = c.lead + c.gap  # filler tokens: the lead, then the gap
-    if c.filler == "random":
-        filler = c.filler_start + torch.randint(c.filler_vocab, (b, f), generator=gen)
-    else:
-        pattern = torch.arange(f) % min(PATTERN_LEN, c.filler_vocab)
-        filler = (c.filler_start + pattern).expand(b, f)
+    own_lead = c.lead_kind != "filler"
+    f = c.gap + (0 if own_lead else c.lead)  # filler tokens: the lead (of filler), then the gap
+    filler = _filler(gen, c.filler, c.filler_start, c.filler_vocab, b, f)
     pairs = torch.cat([keys.unsqueeze(-1), values], dim=-1)  # (B, P, 1 + L)
     queries = pairs.gather(1, asked.unsqueeze(-1).expand(b, q, c.pair_len))  # (B, Q, 1 + L)
-    lead, gap = filler.split([c.lead, c.gap], dim=1)
+    if own_lead:
+        kind = "random" if c.lead_kind == "novel" else "repeated"
+        lead, gap = _filler(gen, kind, c.lead_start, c.lead_vocab, b, c.lead), filler
+    else:
+        lead, gap = filler.split([c.lead, c.gap], dim=1)
     input_ids = torch.cat([lead, pairs.flatten(1), gap, queries.flatten(1)], dim=1)
 
     query_keys = c.query_start + c.pair_len * torch.arange(q)  # (Q,)
