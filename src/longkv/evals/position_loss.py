@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from longkv.checks import require
+from longkv.nll import token_nll
 
 
 def position_nll(logits: Tensor, targets: Tensor) -> Tensor:
@@ -25,8 +26,7 @@ def position_nll(logits: Tensor, targets: Tensor) -> Tensor:
             f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} must be (B, T, V) "
             "and (B, T)"
         )
-    logp = logits.double().log_softmax(-1)
-    return -logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1).mean(0)
+    return token_nll(logits, targets).mean(0)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm import tqdm
 from transformers.cache_utils import Cache
@@ -23,6 +22,7 @@ from longkv.checks import refuse
 from longkv.fold import compat
 from longkv.fold.attention import hooked
 from longkv.fold.variants import check_variant, variant_hooks
+from longkv.nll import token_nll
 
 Forward = Callable[[Tensor], Tensor]  # token ids (B, L) -> logits (B, L, V), advancing a cache
 
@@ -212,10 +212,7 @@ def score_chunks(
                 pred, first = logits[:, : L - 1], 1
             if t == 0 and first == 0:  # token 0 of the input is never scored
                 pred, first = pred[:, 1:], 1
-            high = torch.promote_types(pred.dtype, torch.float32)
-            scored.append(
-                F.cross_entropy(pred.to(high).transpose(1, 2), chunk[:, first:], reduction="none")
-            )
+            scored.append(token_nll(pred, chunk[:, first:]))
             last = logits[:, -1].clone()  # not a view: the chunk's logits can go
             if return_logits:
                 kept.append(logits[:, P:])

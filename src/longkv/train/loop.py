@@ -38,6 +38,7 @@ from tqdm import tqdm
 from longkv.checks import require, require_at_least, require_known, settings_from_section
 from longkv.data import IGNORE
 from longkv.models import LongKVConfig, LongKVForCausalLM
+from longkv.nll import token_nll
 from longkv.results import replaced_atomically
 from longkv.train.checkpoint import (
     CHECKPOINT,
@@ -546,14 +547,16 @@ def train(
     return metrics
 
 
-def _next_token_loss(net: nn.Module, rows: TrainingRows) -> Tensor:
+def _next_token_loss(net: nn.Module, rows: TrainingRows, exact: bool = False) -> Tensor:
     """Cross entropy of rows[:, 1:] given rows[:, :-1] (token rows), or of labels[:, 1:] given
-    ids[:, :-1] over the labelled positions (LabelledRows)."""
+    ids[:, :-1] over the labelled positions (LabelledRows). exact: scored by `token_nll` (a
+    float64 value, for evaluation) rather than torch's float32 cross entropy (for gradients)."""
     ids, labels = (rows.ids, rows.labels) if isinstance(rows, LabelledRows) else (rows, rows)
-    logits = net(ids[:, :-1]).logits
-    return nn.functional.cross_entropy(
-        logits.flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE
-    )
+    logits, targets = net(ids[:, :-1]).logits.flatten(0, 1), labels[:, 1:].flatten()
+    if exact:
+        scored = targets != IGNORE
+        return token_nll(logits[scored], targets[scored]).mean()
+    return nn.functional.cross_entropy(logits.float(), targets, ignore_index=IGNORE)
 
 
 def _mean_over_ranks(value: Tensor, size: int) -> float:
@@ -576,7 +579,8 @@ def check_held_out(rows: TrainingRows, batch_size: int) -> None:
 @torch.no_grad()
 def evaluate(net: nn.Module, rows: TrainingRows, batches: int, batch_size: int) -> float:
     """Mean next-token loss over the first `batches` full batches of held-out rows (N, L + 1)
-    (the mean over batches of each batch's loss, as in training; see `_next_token_loss`).
+    (the mean over batches of each batch's loss, as in training, scored exactly: see
+    `_next_token_loss`).
 
     Under torchrun each rank scores its slice of every batch (as in training) and the ranks
     average, so the result does not depend on the number of processes.
@@ -590,7 +594,7 @@ def evaluate(net: nn.Module, rows: TrainingRows, batches: int, batch_size: int) 
     for i in range(n):
         batch = rows[i * batch_size : (i + 1) * batch_size]
         mine = batch[rank * local : (rank + 1) * local].to(device)
-        losses.append(_mean_over_ranks(_next_token_loss(net, mine), size))
+        losses.append(_mean_over_ranks(_next_token_loss(net, mine, exact=True), size))
     return sum(losses) / len(losses)
 
 
