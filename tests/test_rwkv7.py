@@ -21,6 +21,7 @@ from longkv.rwkv import (
     rwkv7_recurrence,
     rwkv7_recurrence_naive,
 )
+from longkv.rwkv.functional import chunk_within_span
 
 V = 53
 MAX_DECAY = math.exp(-0.5)  # RWKV-7's log decay lies in (-exp(-0.5), 0)
@@ -88,14 +89,32 @@ def test_float32_keeps_its_range_over_long_chunks_of_strong_decay() -> None:
     assert_close(S.double(), S_ref, 1e-4)
 
 
-def test_a_chunk_decaying_past_the_factored_range_is_refused() -> None:
-    *args, S0 = inputs(1, 2, 40, 4, 3, seed=4, log_decay=40.0)
-    with pytest.raises(
-        ValueError, match=r"log_w: a chunk of 16 tokens decays by .* smaller chunk_len"
-    ):
+def test_a_chunk_decaying_past_the_factored_range_runs_as_shorter_chunks() -> None:
+    """One channel decaying by exp(-12) per token beside channels at exp(-0.01): a 16-token
+    chunk spans exp(-192) in that channel, so the recurrence halves the chunk to 4 tokens
+    (exp(-48)); float32 stays finite and both precisions match the naive loop. A uniform decay
+    sees the same span in every channel; the guard reads the channel that decays most."""
+    *args, S0 = inputs(1, 2, 40, 4, 3, seed=4)
+    args[1] = torch.full_like(args[1], -0.01)
+    args[1][..., 1] = -12.0
+    assert chunk_within_span(args[1], 16) == 4 and chunk_within_span(args[1][..., :1], 16) == 16
+    y_ref, S_ref = rwkv7_recurrence_naive(*args, state=S0)
+    y, S = rwkv7_recurrence(*args, state=S0, chunk_len=16)
+    assert_close(y, y_ref)
+    assert_close(S, S_ref)
+    y32, S32 = rwkv7_recurrence(*(a.float() for a in args), state=S0.float(), chunk_len=16)
+    assert torch.isfinite(y32).all() and torch.isfinite(S32).all()
+    assert_close(y32.double(), y_ref, 1e-4)
+    *args, S0 = inputs(1, 2, 40, 4, 3, seed=4, log_decay=40.0)  # every channel, up to exp(-40)
+    assert_close(rwkv7_recurrence(*args, state=S0, chunk_len=16)[0],
+                 rwkv7_recurrence_naive(*args, state=S0)[0])  # fmt: skip
+
+
+def test_a_token_decaying_past_the_factored_range_is_refused() -> None:
+    *args, S0 = inputs(1, 2, 6, 4, 3, seed=5)
+    args[1][0, 1, 3, 2] = -70.0
+    with pytest.raises(ValueError, match=r"log_w: a token decays by exp\(-70.0\) .* clamp log_w"):
         rwkv7_recurrence(*args, state=S0, chunk_len=16)
-    y, _ = rwkv7_recurrence(*args, state=S0, chunk_len=1)  # one token per chunk: any decay
-    assert_close(y, rwkv7_recurrence_naive(*args, state=S0)[0])
 
 
 def test_gradcheck_of_the_chunked_recurrence() -> None:

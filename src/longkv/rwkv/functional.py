@@ -14,9 +14,10 @@ chunk-end state are matmuls; only S_0 passes from chunk to chunk. The decay fact
 differences of cumulative log decays, never ratios of cumulative products (which underflow),
 and E(i, s) factors through the chunk's middle m as exp(L_i - m) exp(m - L_s), so that the
 bracketed C x C matrices are products of (C, Dk) matrices: O(C^2 Dk) multiply-adds per chunk in
-GEMMs and O(C Dk) memory per chunk. The factors reach exp(span / 2), span being a chunk's total
-log decay; a span past MAX_SPAN is refused (RWKV-7's decays, at least exp(-exp(-1/2)) per
-token, stay below it for chunks up to 98 tokens).
+GEMMs and O(C Dk) memory per chunk. The factors reach exp(span / 2), span being the total log
+decay of a chunk's most-decaying channel; where a span passes MAX_SPAN the chunk length is
+halved until none does (RWKV-7's decays, at least exp(-exp(-1/2)) per token, stay inside for
+chunks up to 98 tokens), and a single token decaying past it is refused.
 """
 
 from __future__ import annotations
@@ -55,17 +56,25 @@ def check_recurrence_inputs(
         )
 
 
-def _check_span(L: Tensor) -> None:
-    """Raise ValueError when a chunk's total log decay passes MAX_SPAN. L: the cumulative log
-    decays L_1 .. L_C of each chunk (B, H, n, C, Dk)."""
-    n, C = L.shape[2:4]
-    span = float(-L[..., -1, :].detach().amax()) if n else 0.0  # largest chunk decay
-    if span > MAX_SPAN:
-        raise ValueError(
-            f"log_w: a chunk of {C} tokens decays by exp(-{span:.1f}), past "
-            f"exp(-{MAX_SPAN:g}), where the factored decays lose range; pass a smaller "
-            "chunk_len"
-        )
+def chunk_within_span(log_w: Tensor, chunk_len: int) -> int:
+    """The chunk length the recurrence runs: chunk_len, halved (rounding up) until no chunk of
+    log_w (B, H, T, Dk) decays by more than exp(-MAX_SPAN) in any channel; a token that alone
+    decays more is refused."""
+    B, H, T, Dk = log_w.shape
+    C, lw = chunk_len, log_w.detach().to(torch.promote_types(log_w.dtype, torch.float32))
+    while True:
+        n = -(-T // C)
+        totals = F.pad(lw, (0, 0, 0, n * C - T)).view(B, H, n, C, Dk).sum(dim=3)
+        span = float(-totals.amin()) if totals.numel() else 0.0  # the most-decaying channel
+        if span <= MAX_SPAN:
+            return C
+        if C == 1:
+            raise ValueError(
+                f"log_w: a token decays by exp(-{span:.1f}) in one channel, past "
+                f"exp(-{MAX_SPAN:g}), where the factored decays lose range; clamp log_w at "
+                f"-{MAX_SPAN:g} (a decay of exp(-{MAX_SPAN:g}) is 0 to float64 precision)"
+            )
+        C = -(-C // 2)
 
 
 def rwkv7_recurrence(
@@ -85,13 +94,14 @@ def rwkv7_recurrence(
     Dv); state: S_0 (B, H, Dv, Dk) or None (zeros). -> (y (B, H, T, Dv) in r's dtype, S_T
     (B, H, Dv, Dk) in float32 at least). Runs in float32 at least, with autocast off (the
     triangular solve has no half-precision kernels). Any T (a partial last chunk is padded
-    with tokens that leave the state as it is).
+    with tokens that leave the state as it is) and any chunk_len: a chunk that would decay past
+    exp(-MAX_SPAN) in a channel runs as shorter chunks (`chunk_within_span`).
     """
     check_recurrence_inputs(r, log_w, k, v, kappa, iclr, state)
     if chunk_len < 1:
         raise ValueError(f"chunk_len: must be >= 1, got {chunk_len}")
     B, H, T, Dk = r.shape
-    Dv, C = v.shape[-1], chunk_len
+    Dv, C = v.shape[-1], chunk_within_span(log_w, chunk_len)
     wide = torch.promote_types(r.dtype, torch.float32)
     n = -(-T // C)
     with torch.autocast(r.device.type, enabled=False):
@@ -105,7 +115,6 @@ def rwkv7_recurrence(
         a, b = -kap, kap * ic
         L = lw.cumsum(dim=3)  # L_1 .. L_C
         L0 = F.pad(L, (0, 0, 1, 0))  # L_0 .. L_C
-        _check_span(L)
         # E(i, s) = exp(L_i - m) exp(m - L_s), m = L at the chunk's middle: every factor is at
         # most exp(span / 2), and the products above the diagonal, which are dropped, at most
         # exp(span).
