@@ -17,7 +17,7 @@ from longkv.cli.main import main
 from longkv.evals.synthetic import make_mqar, query_distance
 from longkv.models import LongKVConfig
 from longkv.study import grid
-from longkv.study.config import load_study, study_from_mapping
+from longkv.study.config import EVAL, derived_seed, load_study, study_from_mapping
 from longkv.study.grid import EVAL_FILE, StudyData, mqar_rows, run_dir, run_study
 from longkv.study.report import describe_study
 from longkv.train import loop
@@ -261,6 +261,51 @@ def test_training_gaps_keep_the_length_with_filler_before_the_pairs() -> None:
     assert distances[0] < distances[2]  # a gap of 0 asks pairs nearer than the whole rest
 
 
+def test_a_study_trains_after_novel_leads_and_scores_every_lead_length_and_kind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    study = copy.deepcopy(MQAR)
+    study["seeds"] = [0]
+    study["variants"] = {"kvm": {"mixer": "kvm"}}
+    study["mqar"]["train"].update(
+        seq_len=24, gaps=[0, 4], rows=8, held_out_rows=4, vocab_size=64, lead_kind="novel",
+        lead_vocab=32,
+    )  # fmt: skip
+    study["mqar"]["eval"].update(gaps=[0], leads=[0, 6], lead_kinds=["novel", "repeated"])
+    config = study_from_mapping(study)
+    assert config.mqar is not None
+    lead_ids = range(2 * 12 + 8, 2 * 12 + 8 + 32)  # (64 - 8 - 32) / 2 = 12 keys, 12 values
+    train, _ = mqar_rows(config.mqar.train)
+    for c in config.mqar.train.configs(0):  # the lead fills what the pairs and gap leave
+        assert c.lead_kind == "novel" and c.lead == 24 - 4 * c.num_pairs - c.gap
+    firsts = {int(row[0]) for row in train.ids}
+    assert firsts <= set(lead_ids)  # every training row starts with lead ids
+    points = config.mqar.eval.points(config.mqar.train)
+    assert [(p.num_pairs, p.lead, p.lead_kind) for p in points] == [
+        (n, lead, kind) for n in (2, 3) for lead in (0, 6) for kind in ("novel", "repeated")
+    ]
+    seeds = {(p.lead, p.lead_kind): p.seed for p in points if p.num_pairs == 2}
+    assert len(set(seeds.values())) == 4  # each lead length and kind its own rows
+    plain = study_from_mapping(MQAR).mqar
+    assert plain is not None  # a point without a lead keeps the rows it always had
+    assert plain.eval.points(plain.train)[0].seed == derived_seed(0, EVAL, 2, 0, 1, 1)
+    argv = ["study", "--config", write(tmp_path / "s.yaml", study), "--out-dir",
+            str(tmp_path / "out"), "--runs-dir", str(tmp_path / "runs")]  # fmt: skip
+    assert main(argv) == 0
+    stem = tmp_path / "out" / "study_tiny"
+    record = json.loads(stem.with_suffix(".json").read_text())["runs"][0]
+    assert [(p["lead"], p["lead_kind"], p["seq_len"]) for p in record["points"][:4]] == [
+        (0, "novel", 8), (0, "repeated", 8), (6, "novel", 14), (6, "repeated", 14),
+    ]  # fmt: skip
+    md = stem.with_suffix(".md").read_text()
+    assert "| pairs | gap | filler | value_len | lead | lead kind | tokens |" in md
+    assert "| 2 | 0 | random | 1 | 6 | novel | 14 |" in md
+    assert stem.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+    before = eval_files(tmp_path / "runs")
+    monkeypatch.setattr("longkv.study.grid.train", None)  # a finished run is not trained again
+    assert main(argv) == 0 and eval_files(tmp_path / "runs") == before
+
+
 def bad(path: tuple[str, ...], value: Any) -> dict[str, Any]:
     study = copy.deepcopy(MQAR)
     node = study
@@ -284,6 +329,8 @@ def bad(path: tuple[str, ...], value: Any) -> dict[str, Any]:
         (bad(("mqar", "train", "fillers"), ["noise"]), r"mqar\.train\.fillers"),
         (bad(("mqar", "eval", "num_pairs"), [20]), r"mqar\.eval: MQARConfig\.vocab_size"),
         (bad(("mqar", "eval", "max_len"), 12), r"mqar\.eval\.max_len: the point num_pairs=2"),
+        (bad(("mqar", "eval", "lead_kinds"), ["novel"]), r"mqar\.eval: MQARConfig\.lead_vocab"),
+        (bad(("mqar", "eval", "lead_kinds"), ["noise"]), r"mqar\.eval\.lead_kinds: must be"),
         (bad(("seeds",), [1, 1]), r"seeds: must be a non-empty list of distinct ints"),
         (bad(("task",), "lm"), r"lm: task 'lm' needs a lm section"),
         (bad(("name",), "a/b"), r"name: must be a folder name"),

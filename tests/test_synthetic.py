@@ -216,7 +216,6 @@ def test_accuracy_by_distance_handmade_batch() -> None:
         (dict(seed=1.5), "MQARConfig.seed"),
         (dict(lead_kind="noise"), "MQARConfig.lead_kind"),
         (dict(lead_kind="novel", lead=4), "MQARConfig.lead_vocab"),
-        (dict(lead_vocab=8, lead=4), "MQARConfig.lead_vocab"),
         (dict(vocab_size=63, lead_kind="novel", lead_vocab=32), "MQARConfig.vocab_size"),
     ],
 )

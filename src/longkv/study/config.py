@@ -26,7 +26,7 @@ from longkv.checks import (
     settings_from_section,
 )
 from longkv.evals.position_loss import check_edges, doubling_edges
-from longkv.evals.synthetic import FILLERS, MQARConfig
+from longkv.evals.synthetic import FILLERS, LEAD_KINDS, MQARConfig
 from longkv.models import LongKVConfig
 from longkv.train.data import DataConfig
 from longkv.train.loop import MODEL_FIELDS, TrainConfig
@@ -73,13 +73,13 @@ def _ints(owner: object, name: str, low: int) -> None:
     )
 
 
-def _fillers(owner: object, name: str) -> None:
+def _fillers(owner: object, name: str, kinds: tuple[str, ...] = FILLERS) -> None:
     values = getattr(owner, name)
     require(
-        isinstance(values, tuple) and len(values) > 0 and set(values) <= set(FILLERS),
+        isinstance(values, tuple) and len(values) > 0 and set(values) <= set(kinds),
         owner,
         name,
-        f"must be a non-empty list of {FILLERS}, got {values!r}",
+        f"must be a non-empty list of {kinds}, got {values!r}",
     )
 
 
@@ -91,7 +91,9 @@ class MQARTrainData:
     value_len)); a list: each gap in turn, capped at that rest, and filler before the pairs (the
     MQAR lead) fills what is left, so one length holds rows recalling at every distance.
     held_out_rows likewise from other seeds. seed: the data seed, the same rows for every
-    variant and seed of the study."""
+    variant and seed of the study. lead_kind: what the lead is made of ("filler", or a novel or
+    repeated lead of its own lead_vocab ids: `MQARConfig`); lead_vocab ids are reserved even
+    with a filler lead, so that a model trained without them can be scored on them."""
 
     SECTION: ClassVar[str | None] = "mqar.train"  # where its fields are in a study file
 
@@ -105,6 +107,8 @@ class MQARTrainData:
     vocab_size: int = 8192
     filler_vocab: int = 16
     seed: int = 0
+    lead_kind: str = "filler"
+    lead_vocab: int = 0
 
     def __post_init__(self) -> None:
         _tuples(self, "num_pairs", "fillers", "value_lens", "gaps")
@@ -156,6 +160,8 @@ class MQARTrainData:
                     vocab_size=self.vocab_size,
                     filler_vocab=self.filler_vocab,
                     seed=derived_seed(self.seed, stream, p, FILLERS.index(filler), length, gap),
+                    lead_kind=self.lead_kind,
+                    lead_vocab=self.lead_vocab,
                 )
             )
         return out
@@ -163,10 +169,12 @@ class MQARTrainData:
 
 @dataclass(frozen=True)
 class MQAREval:
-    """The evaluation grid: a point per num_pairs x gaps x fillers x value_lens, each a batch
-    of `rows` rows (queries = num_pairs) in the training vocabulary, scored `batch_size` rows
-    per forward; distance_edges: the key-to-query distance buckets; max_len: points longer
-    than this are refused (None: no limit)."""
+    """The evaluation grid: a point per num_pairs x gaps x fillers x value_lens x leads x
+    lead_kinds, each a batch of `rows` rows (queries = num_pairs) in the training vocabulary,
+    scored `batch_size` rows per forward; leads: tokens before the pairs, of each lead kind
+    (`MQARConfig.lead_kind`; novel and repeated need the training data's lead_vocab);
+    distance_edges: the key-to-query distance buckets; max_len: points longer than this are
+    refused (None: no limit)."""
 
     SECTION: ClassVar[str | None] = "mqar.eval"  # where its fields are in a study file
 
@@ -178,13 +186,20 @@ class MQAREval:
     batch_size: int = 16
     distance_edges: tuple[int, ...] = DISTANCE_EDGES
     max_len: int | None = None
+    leads: tuple[int, ...] = (0,)
+    lead_kinds: tuple[str, ...] = ("filler",)
 
     def __post_init__(self) -> None:
-        _tuples(self, "num_pairs", "gaps", "fillers", "value_lens", "distance_edges")
+        _tuples(
+            self, "num_pairs", "gaps", "fillers", "value_lens", "distance_edges", "leads",
+            "lead_kinds",
+        )  # fmt: skip
         _ints(self, "num_pairs", 1)
         _ints(self, "gaps", 0)
         _ints(self, "value_lens", 1)
+        _ints(self, "leads", 0)
         _fillers(self, "fillers")
+        _fillers(self, "lead_kinds", LEAD_KINDS)
         require_at_least(1, self, "rows", "batch_size")
         edges = list(self.distance_edges)
         require(
@@ -204,14 +219,18 @@ class MQAREval:
         """One MQARConfig per grid point, in data's vocabulary, seeded by its own settings (a
         point's rows do not depend on the rest of the grid)."""
         out = []
-        for p, gap, filler, length in itertools.product(
-            self.num_pairs, self.gaps, self.fillers, self.value_lens
+        for p, gap, filler, length, lead, kind in itertools.product(
+            self.num_pairs, self.gaps, self.fillers, self.value_lens, self.leads, self.lead_kinds
         ):
-            seed = derived_seed(data.seed, EVAL, p, gap, FILLERS.index(filler), length)
+            parts = (p, gap, FILLERS.index(filler), length)
+            if (lead, kind) != (0, "filler"):  # the points without a lead keep their rows
+                parts += (lead, LEAD_KINDS.index(kind))
             try:
                 point = MQARConfig(
                     num_pairs=p, num_queries=p, gap=gap, filler=filler, value_len=length,
-                    vocab_size=data.vocab_size, filler_vocab=data.filler_vocab, seed=seed,
+                    vocab_size=data.vocab_size, filler_vocab=data.filler_vocab,
+                    seed=derived_seed(data.seed, EVAL, *parts), lead=lead, lead_kind=kind,
+                    lead_vocab=data.lead_vocab,
                 )  # fmt: skip
             except ValueError as err:
                 raise ValueError(f"mqar.eval: {err}") from err
@@ -219,8 +238,8 @@ class MQAREval:
                 self.max_len is None or point.seq_len <= self.max_len,
                 self,
                 "max_len",
-                f"the point num_pairs={p}, gap={gap}, value_len={length} is {point.seq_len} "
-                f"tokens, over max_len={self.max_len}; drop it or raise max_len",
+                f"the point num_pairs={p}, gap={gap}, value_len={length}, lead={lead} is "
+                f"{point.seq_len} tokens, over max_len={self.max_len}; drop it or raise max_len",
             )
             out.append(point)
         return out

@@ -178,7 +178,8 @@ def evaluate_point(
     ]
     return {
         "num_pairs": point.num_pairs, "gap": point.gap, "filler": point.filler,
-        "value_len": point.value_len, "seq_len": point.seq_len,
+        "value_len": point.value_len, "lead": point.lead, "lead_kind": point.lead_kind,
+        "seq_len": point.seq_len,
         "accuracy": accuracy(pred, batch), "by_distance": buckets, "state_slots": slots,
     }  # fmt: skip
 

@@ -10,6 +10,7 @@ listed as missing.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from statistics import fmean
 from typing import Any
@@ -63,7 +64,7 @@ def _mean_point(seeds: list[Record]) -> Record:
         for j, b in enumerate(first["by_distance"])
     ]
     return {
-        **{k: first[k] for k in ("num_pairs", "gap", "filler", "value_len", "seq_len")},
+        **{k: first.get(k, NO_LEAD.get(k)) for k in POINT_KEYS},
         "accuracy": fmean(s["accuracy"] for s in seeds),
         "state_slots": _mean([s["state_slots"] for s in seeds]),
         "by_distance": buckets,
@@ -93,17 +94,34 @@ def _pct(x: float | None) -> str:
     return "-" if x is None or math.isnan(x) else f"{100 * x:.1f}"
 
 
-def _point_label(p: Record) -> list[str]:
-    return [str(p[k]) for k in ("num_pairs", "gap", "filler", "value_len", "seq_len")]
+# a point's settings, and their headers on the page (lead and lead kind only where a point has
+# a lead of its own kind or length: records written before leads count as NO_LEAD)
+POINT_KEYS = ("num_pairs", "gap", "filler", "value_len", "lead", "lead_kind", "seq_len")
+HEADERS = {"num_pairs": "pairs", "lead_kind": "lead kind", "seq_len": "tokens"}
+NO_LEAD = {"lead": 0, "lead_kind": "filler"}
 
 
-POINT_HEADER = ["pairs", "gap", "filler", "value_len", "tokens"]
+def has_leads(points: list[Record]) -> bool:
+    """Whether any point has a lead (filler before the pairs that is not gap filling, or one
+    of its own ids)."""
+    return any(p.get(k, v) != v for p in points for k, v in NO_LEAD.items())
+
+
+def point_columns(points: list[Record]) -> tuple[list[str], Callable[[Record], list[str]]]:
+    """(the header cells of a point, a function from a point to its cells)."""
+    keys = [k for k in POINT_KEYS if k not in NO_LEAD or has_leads(points)]
+
+    def cells(p: Record) -> list[str]:
+        return [str(p.get(k, NO_LEAD.get(k))) for k in keys]
+
+    return [HEADERS.get(k, k) for k in keys], cells
 
 
 def mqar_tables(done: dict[str, list[Record]], means: dict[str, Record]) -> list[str]:
     """Accuracy per point (mean, then per seed) and the kvm state sizes."""
     variants = list(done)
     points = next(iter(means.values()))["points"]
+    header, label = point_columns(points)
     lines = [
         "",
         "## Accuracy (%, mean over seeds)",
@@ -111,9 +129,9 @@ def mqar_tables(done: dict[str, list[Record]], means: dict[str, Record]) -> list
         "A query is right when every value token is; accuracy is the fraction of right queries.",
         "",
         *markdown_table(
-            POINT_HEADER + variants,
+            header + variants,
             [
-                _point_label(p) + [_pct(means[v]["points"][i]["accuracy"]) for v in variants]
+                label(p) + [_pct(means[v]["points"][i]["accuracy"]) for v in variants]
                 for i, p in enumerate(points)
             ],
         ),
@@ -123,9 +141,9 @@ def mqar_tables(done: dict[str, list[Record]], means: dict[str, Record]) -> list
     ]
     runs = [(v, r) for v in variants for r in done[v]]
     lines += markdown_table(
-        POINT_HEADER + [f"{v} s{r['seed']}" for v, r in runs],
+        header + [f"{v} s{r['seed']}" for v, r in runs],
         [
-            _point_label(p) + [_pct(r["points"][i]["accuracy"]) for _, r in runs]
+            label(p) + [_pct(r["points"][i]["accuracy"]) for _, r in runs]
             for i, p in enumerate(points)
         ],
     )
@@ -136,9 +154,9 @@ def mqar_tables(done: dict[str, list[Record]], means: dict[str, Record]) -> list
             "## State size (slots at the end of the row, mean over kvm layers and seeds)",
             "",
             *markdown_table(
-                POINT_HEADER + kvm,
+                header + kvm,
                 [
-                    _point_label(p) + [f"{means[v]['points'][i]['state_slots']:.1f}" for v in kvm]
+                    label(p) + [f"{means[v]['points'][i]['state_slots']:.1f}" for v in kvm]
                     for i, p in enumerate(points)
                 ],
             ),
@@ -272,15 +290,20 @@ def describe_study(study: StudyConfig, data: StudyData) -> list[str]:
 
 
 def plot_mqar(means: dict[str, Record], path: Path, title: str) -> None:
-    """Accuracy vs pairs and vs gap per (filler, value_len), and vs state size for kvm."""
+    """Accuracy vs pairs and vs gap per (filler, value_len), vs lead length per lead kind where
+    the points have leads, and vs state size for kvm."""
     plt = pyplot()
     points = next(iter(means.values()))["points"]
     kinds = sorted({(p["filler"], p["value_len"]) for p in points})
     kvm = [v for v, m in means.items() if m["points"][0]["state_slots"] is not None]
-    nrows = 3 if kvm else 2
-    fig, axes = plt.subplots(
-        nrows, len(kinds), figsize=(4.5 * len(kinds), 3.5 * nrows), squeeze=False
-    )
+    leads = has_leads(points)
+    lead_kinds = sorted({p["lead_kind"] for p in points}) if leads else []
+    nrows = 2 + int(leads) + int(bool(kvm))
+    ncols = max(len(kinds), len(lead_kinds))
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.5 * ncols, 3.5 * nrows), squeeze=False)
+    for row in axes:
+        for ax in row[len(kinds) :]:
+            ax.axis("off")
     color = {variant: f"C{i}" for i, variant in enumerate(means)}  # one colour per variant
     for col, (filler, value_len) in enumerate(kinds):
         for row, key in enumerate(("num_pairs", "gap")):
@@ -303,10 +326,24 @@ def plot_mqar(means: dict[str, Record], path: Path, title: str) -> None:
                 ax.set_xlim(0, max(ticks) * 1.2 + 1)
             ax.set_xticks(ticks, [str(t) for t in ticks])
             ax.legend(fontsize=7)
+    for col, kind in enumerate(lead_kinds):  # recall against the lead's length
+        ax = axes[2][col]
+        ax.axis("on")
+        for variant, m in means.items():
+            mine = [p for p in m["points"] if p["lead_kind"] == kind]
+            xs = sorted({p["lead"] for p in mine})
+            ys = [fmean(p["accuracy"] for p in mine if p["lead"] == x) for x in xs]
+            ax.plot(xs, ys, marker="o", label=variant, color=color[variant])
+        ax.set_xscale("symlog", linthresh=64)
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_xlabel("lead before the pairs (tokens; mean over pairs, gaps, fillers)")
+        ax.set_ylabel("accuracy")
+        ax.set_title(f"{kind} lead", fontsize=9)
+        ax.legend(fontsize=7)
     if kvm:  # recall against pairs per state slot, one panel per value length
         lengths = sorted({value_len for _, value_len in kinds})
         for col, value_len in enumerate(lengths):
-            ax = axes[2][col]
+            ax = axes[nrows - 1][col]
             for variant in kvm:
                 pts = [p for p in means[variant]["points"] if p["value_len"] == value_len]
                 ax.scatter(
@@ -321,8 +358,8 @@ def plot_mqar(means: dict[str, Record], path: Path, title: str) -> None:
             ax.set_ylabel("accuracy")
             ax.set_title(f"kvm: every point, value_len {value_len}", fontsize=9)
             ax.legend(fontsize=7)
-        for col in range(len(lengths), len(kinds)):
-            axes[2][col].axis("off")
+        for col in range(len(lengths), ncols):
+            axes[nrows - 1][col].axis("off")
     finish_figure(fig, path, title)
 
 
