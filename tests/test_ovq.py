@@ -57,7 +57,7 @@ def test_the_chunked_path_equals_the_token_by_token_reference(name: str) -> None
             assert (state.pending.k[b, h] - pending).abs().max() <= 1e-15
 
 
-@pytest.mark.parametrize("name", ["saturating", "min", "one-token-chunks"])
+@pytest.mark.parametrize("name", ["saturating", "min", "one-token-chunks", "no-count-bias"])
 def test_any_segmentation_equals_one_call(name: str) -> None:
     config = CONFIGS[name]
     q, k, v, beta = inputs(31, seed=1)
@@ -72,6 +72,14 @@ def test_any_segmentation_equals_one_call(name: str) -> None:
         assert state is not None
         assert (torch.cat(outs, dim=2) - whole).abs().max() <= 1e-12
         assert (state.slots.tensor - whole_state.slots.tensor).abs().max() <= 1e-12
+        read = state.read  # the centroids' read carried to the next call: the rows' means
+        if config.chunk_len == 1:  # every token commits: nothing to carry
+            assert read is None
+            continue
+        assert read is not None and torch.equal(read.k, state.means()[0])
+        assert (read.bias is None) == (not config.count_bias)
+        kept = sum(t.numel() * 8 for t in read if t is not None)
+        assert state.nbytes == state.slots.tensor.numel() * 8 + kept + state.pending.nbytes
     # one state continued twice: the first branch leaves it as it was
     _, mid = ovq_attention(q[:, :, :12], k[:, :, :12], v[:, :, :12], config, beta)
     first, _ = ovq_attention(q[:, :, 12:], k[:, :, 12:], v[:, :, 12:], config, beta, mid)

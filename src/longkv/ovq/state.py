@@ -82,7 +82,7 @@ class OVQState:
     @property
     def nbytes(self) -> int:
         """Bytes of the dictionary's rows, its read (where kept) and the open chunk."""
-        read = 0 if self.read is None else sum(map(tensor_bytes, self.read))
+        read = 0 if self.read is None else sum(tensor_bytes(t) for t in self.read if t is not None)
         return tensor_bytes(self.slots.tensor) + read + self.pending.nbytes
 
     @property
