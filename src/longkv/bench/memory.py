@@ -123,25 +123,25 @@ def peak_memory(fn: Callable[[], R], device: torch.device) -> tuple[R, int | Non
         return result, torch.cuda.max_memory_allocated(device) - before
     if device.type != "cpu" or not cpu_peak_supported():
         return fn(), None
-    kept = _heap_kept
-    if kept:
-        keep_freed_heap(False)
-    _share_one_arena()
-    collecting = gc.isenabled()
-    gc.collect()
-    gc.disable()
-    _release_free_heap()
-    _CLEAR_REFS.write_text("5")
-    before = _status_bytes("VmRSS")
+    kept, collecting = _heap_kept, gc.isenabled()
     done = threading.Event()
     trimmer = threading.Thread(target=_trim_until, args=(done,), daemon=True)
-    trimmer.start()
     try:
+        if kept:
+            keep_freed_heap(False)
+        _share_one_arena()
+        gc.collect()
+        gc.disable()
+        trimmer.start()
+        _release_free_heap()
+        _CLEAR_REFS.write_text("5")
+        before = _status_bytes("VmRSS")
         result = fn()
         return result, max(0, _status_bytes("VmHWM") - before)
     finally:
         done.set()
-        trimmer.join()
+        if trimmer.is_alive():
+            trimmer.join()
         if collecting:
             gc.enable()
         if kept:
