@@ -19,9 +19,9 @@ first PATTERN_LEN of them (the contrast: it merges away).
 
 Vocabulary: with n = (vocab_size - filler_vocab - lead_vocab) // 2, keys are ids [0, n), values
 [n, 2n), filler [2n, 2n + filler_vocab) and lead ids the lead_vocab after them; an odd leftover
-id is unused. Within a row the keys are
-distinct, and so is each value's first token, as in Zoology (values sampled without
-replacement); the queried keys are distinct pairs in random order.
+id is unused. Within a row the keys are distinct, and so is each value's first token, as in
+Zoology (values sampled without replacement); the queried keys are distinct pairs in random
+order.
 
 Targets follow `LongKVForCausalLM`'s loss, which shifts the labels inside: `labels[b, t]` is the
 token at position t itself (a value token of a query) and -100 elsewhere, so
