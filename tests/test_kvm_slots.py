@@ -40,3 +40,35 @@ def test_slots_read_out_as_their_mean_or_their_direction_at_the_founders_norm() 
     count, norm = block([2, 10], [1, 1]).unbind(-1)  # (1, 1, 2) each
     assert read_mean(sums, count).tolist() == [[[[1.5, 2.0], [0.0, -2.0]]]]
     assert read_founder(sums, norm).tolist() == [[[[6.0, 8.0], [0.0, -1.0]]]]
+
+
+def test_a_tracked_state_keeps_the_position_that_founded_each_slot() -> None:
+    """With the value-norm read-out a slot's r is its founder's value norm (gate 1), and merges
+    leave it: so the founder positions the state keeps must point at tokens of exactly that
+    norm. They do in one call, token by token and across a beam reorder; untracked states
+    keep none."""
+    from conftest import make_inputs
+    from longkv.kvm import KVMConfig, kvm_attention
+
+    config = KVMConfig(
+        chunk_len=4, window_chunks=2, budget="power_law", state_min_len=4, growth_factor=2.0,
+        max_state_chunks=None,
+    )  # fmt: skip
+    inp = make_inputs(T=70, gate=False)
+    _, whole = kvm_attention(inp.q, inp.k, inp.v, config, track_founders=True, **inp.extras)
+    assert whole.founders is not None and 4 < whole.num_slots < 70 - 8  # merges happened
+    at = whole.founders.tensor[..., 0]  # (B, Hkv, S)
+    founders_norm = inp.v.norm(dim=-1).gather(2, at)
+    assert torch.allclose(whole.slot_r, founders_norm, rtol=0, atol=1e-12)
+    assert all(len(set(row.tolist())) == len(row) for row in at.flatten(0, 1))  # distinct
+    state = None
+    for t in range(70):
+        q, k, v, extras = inp.span(t, t + 1)
+        _, state = kvm_attention(q, k, v, config, state=state, track_founders=True, **extras)
+    assert state is not None and state.founders is not None
+    assert torch.equal(state.founders.tensor, whole.founders.tensor)
+    flipped = whole.select_rows(torch.tensor([1, 0]))
+    assert flipped.founders is not None and torch.equal(
+        flipped.founders.tensor[0], at[1, ..., None]
+    )
+    assert kvm_attention(inp.q, inp.k, inp.v, config, **inp.extras)[1].founders is None

@@ -266,12 +266,12 @@ def test_a_study_trains_after_novel_leads_and_scores_every_lead_length_and_kind(
 ) -> None:
     study = copy.deepcopy(MQAR)
     study["seeds"] = [0]
-    study["variants"] = {"kvm": {"mixer": "kvm"}}
+    study["variants"] = {"kvm": {"mixer": "kvm", "kvm": {"budget": "fixed"}}}  # 4 slots
     study["mqar"]["train"].update(
         seq_len=24, gaps=[0, 4], rows=8, held_out_rows=4, vocab_size=64, lead_kind="novel",
         lead_vocab=32,
     )  # fmt: skip
-    study["mqar"]["eval"].update(gaps=[0], leads=[0, 6], lead_kinds=["novel", "repeated"])
+    study["mqar"]["eval"].update(gaps=[0], leads=[0, 16], lead_kinds=["novel", "repeated"])
     config = study_from_mapping(study)
     assert config.mqar is not None
     lead_ids = range(2 * 12 + 8, 2 * 12 + 8 + 32)  # (64 - 8 - 32) / 2 = 12 keys, 12 values
@@ -282,7 +282,7 @@ def test_a_study_trains_after_novel_leads_and_scores_every_lead_length_and_kind(
     assert firsts <= set(lead_ids)  # every training row starts with lead ids
     points = config.mqar.eval.points(config.mqar.train)
     assert [(p.num_pairs, p.lead, p.lead_kind) for p in points] == [
-        (n, lead, kind) for n in (2, 3) for lead in (0, 6) for kind in ("novel", "repeated")
+        (n, lead, kind) for n in (2, 3) for lead in (0, 16) for kind in ("novel", "repeated")
     ]
     seeds = {(p.lead, p.lead_kind): p.seed for p in points if p.num_pairs == 2}
     assert len(set(seeds.values())) == 4  # each lead length and kind its own rows
@@ -295,11 +295,19 @@ def test_a_study_trains_after_novel_leads_and_scores_every_lead_length_and_kind(
     stem = tmp_path / "out" / "study_tiny"
     record = json.loads(stem.with_suffix(".json").read_text())["runs"][0]
     assert [(p["lead"], p["lead_kind"], p["seq_len"]) for p in record["points"][:4]] == [
-        (0, "novel", 8), (0, "repeated", 8), (6, "novel", 14), (6, "repeated", 14),
+        (0, "novel", 8), (0, "repeated", 8), (16, "novel", 24), (16, "repeated", 24),
     ]  # fmt: skip
+    fates = [p["pair_tokens"] for p in record["points"]]
+    assert all(list(f) == ["founded", "merged", "window"] for f in fates)
+    assert all(sum(f.values()) == pytest.approx(1.0) for f in fates)
+    # chunks of 4, a window of one chunk, a fixed state of the first chunk's 4 slots: without a
+    # lead the 2 pairs are that chunk; after a lead of 16 they are tokens 16-19 of 24, merged
+    assert fates[0] == {"founded": 1.0, "merged": 0.0, "window": 0.0}
+    assert fates[2] == {"founded": 0.0, "merged": 1.0, "window": 0.0}
     md = stem.with_suffix(".md").read_text()
+    assert "## Where the pairs' tokens are at the end of the row" in md
     assert "| pairs | gap | filler | value_len | lead | lead kind | tokens |" in md
-    assert "| 2 | 0 | random | 1 | 6 | novel | 14 |" in md
+    assert "| 2 | 0 | random | 1 | 16 | novel | 24 |" in md
     assert stem.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
     before = eval_files(tmp_path / "runs")
     monkeypatch.setattr("longkv.study.grid.train", None)  # a finished run is not trained again

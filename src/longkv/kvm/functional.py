@@ -91,9 +91,19 @@ def read_state(
     return state_norm(state.slot_k, weight, bias), read_values(state.slot_v, state.slot_r)
 
 
-def _append(state: KVMState, k: Tensor, v: Tensor, r: Tensor, donate: bool) -> KVMState:
-    """The state with new slots k (B, Hkv, n, Dk), v (B, Hkv, n, Dv), r (B, Hkv, n) at the end."""
-    return replace(state, slots=state.slots.append(pack_slots(k, v, r), donate), read=None)
+def _append(state: KVMState, k: Tensor, v: Tensor, r: Tensor, at: Tensor, donate: bool) -> KVMState:
+    """The state with new slots k (B, Hkv, n, Dk), v (B, Hkv, n, Dv), r (B, Hkv, n) at the end,
+    founded by the tokens at positions at (B, Hkv, n) (kept where the state tracks founders)."""
+    founders = state.founders
+    if founders is not None:
+        founders = founders.append(at.expand(r.shape).unsqueeze(-1), donate)
+    slots = state.slots.append(pack_slots(k, v, r), donate)
+    return replace(state, slots=slots, founders=founders, read=None)
+
+
+def _positions(start: int, n: int, like: Tensor) -> Tensor:
+    """(n,) long: start, start + 1, ... on like's device."""
+    return torch.arange(start, start + n, device=like.device)
 
 
 def found_first(
@@ -102,8 +112,8 @@ def found_first(
 ) -> KVMState:  # fmt: skip
     """The state with tokens k (B, Hkv, n, Dk), v of the first chunk copied in as slots: the
     first chunk enters the state as it arrives (spec section 5)."""
-    config = state.config
-    return _append(state, prep_keys(k, config, weight, bias), v, founder_r(v, config), donate)
+    config, at = state.config, _positions(state.num_slots, k.shape[2], k)
+    return _append(state, prep_keys(k, config, weight, bias), v, founder_r(v, config), at, donate)
 
 
 def update_state(
@@ -132,7 +142,7 @@ def update_state(
     target = desired_state_len(config.budget_rule, config.window_len + cov, cov + C, S0)
     n_append = min(max(target - S0, 0), C)
     if n_append == C:
-        return _append(state, ka, va, founder_r(va, config), donate)
+        return _append(state, ka, va, founder_r(va, config), _positions(cov, C, k), donate)
     if read_k is None:
         read_k = state_norm(state.slot_k, weight, bias)  # (B, Hkv, S0, Dk)
     # the gate, a positive factor per token, ranks nothing: the ungated ku serve every choice
@@ -142,7 +152,8 @@ def update_state(
     merged = None  # (B, Hkv, C, 1): 1 for tokens that merge, 0 for appended ones; None = all 1
     if n_append > 0:
         new_v = take(va, to.picked)
-        state = _append(state, take(ka, to.picked), new_v, founder_r(new_v, config), donate)
+        new_r, at = founder_r(new_v, config), cov + to.picked
+        state = _append(state, take(ka, to.picked), new_v, new_r, at, donate)
         merged = to.merges.unsqueeze(-1).to(g.dtype)
         kg, vg = kg * merged, vg * merged
 
@@ -154,11 +165,17 @@ def update_state(
     return replace(state, slots=state.slots.add_at(to.dest, adds, donate), read=None)
 
 
-def empty_state(config: KVMConfig, k: Tensor, v: Tensor) -> KVMState:
-    """A state with no tokens, shaped for keys k (B, Hkv, T, Dk) and values v (B, Hkv, T, Dv)."""
+def empty_state(config: KVMConfig, k: Tensor, v: Tensor, track_founders: bool = False) -> KVMState:
+    """A state with no tokens, shaped for keys k (B, Hkv, T, Dk) and values v (B, Hkv, T, Dv);
+    track_founders: keep each slot's founding position (`KVMState.founders`)."""
     B, Hkv = k.shape[:2]
     slots = k.new_zeros(B, Hkv, 0, k.shape[-1] + v.shape[-1] + 1)
-    return KVMState(config, Rows.of(slots), WindowCache.empty(k, v, with_gate=True))
+    founders = None
+    if track_founders:
+        founders = Rows.of(torch.zeros(B, Hkv, 0, 1, dtype=torch.long, device=k.device))
+    return KVMState(
+        config, Rows.of(slots), WindowCache.empty(k, v, with_gate=True), founders=founders
+    )
 
 
 def check_arguments(
@@ -270,6 +287,7 @@ def kvm_attention(
     state_temp: Tensor | None = None,
     scale: float | None = None,
     donate: bool = False,
+    track_founders: bool = False,
 ) -> tuple[Tensor, KVMState]:
     """Key-Value Means attention over T new tokens, continuing `state` (None starts a sequence).
 
@@ -282,12 +300,16 @@ def kvm_attention(
     The given state is never changed, unless donate=True: then its buffers are reused in place
     (merges add into its slots, the window moves within its buffer) and it must not be read
     again; a decode loop that passes each returned state back with donate=True allocates no
-    state memory per token once the buffers have grown.
+    state memory per token once the buffers have grown. track_founders: a sequence started here
+    keeps the position of each slot's founding token (`KVMState.founders`).
     """
     dims, gate = check_arguments(
         q, k, v, config, gate, norm_weight, norm_bias, window_temp, state_temp
     )
-    state = empty_state(config, k, v) if state is None else check_state(state, config, dims, q)
+    if state is None:
+        state = empty_state(config, k, v, track_founders)
+    else:
+        state = check_state(state, config, dims, q)
 
     C, N, n0 = config.chunk_len, config.window_chunks, state.seen
     given = state.slots.store  # written in place only when donated, or once this call copied it

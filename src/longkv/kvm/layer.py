@@ -25,8 +25,11 @@ class KVMAttention(AttentionLayer):
     output per KV head, per-head window and state temperatures (init 1), and the state
     LayerNorm LN_s. `merge_gate=False` and `head_temperatures=False` are the paper's
     "no merge gate" and "no head temperatures" ablations; the others live in KVMConfig
-    (see `KVMAttention.ablated`).
+    (see `KVMAttention.ablated`). track_founders (off): sequences started by this layer keep
+    each slot's founding position (`KVMState.founders`), for analyses of what the state holds.
     """
+
+    track_founders: bool = False
 
     def __init__(
         self,
@@ -91,6 +94,7 @@ class KVMAttention(AttentionLayer):
                 state=state, norm_weight=wide(self.state_norm.weight),
                 norm_bias=wide(self.state_norm.bias), window_temp=wide(self.window_temp),
                 state_temp=wide(self.state_temp), donate=donate,
+                track_founders=self.track_founders,
             )  # fmt: skip
 
         return in_state_precision(q, attend)

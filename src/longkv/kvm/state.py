@@ -62,13 +62,15 @@ class KVMState:
     values, and the founder value norm (vlens mode) or token count (count mode), in one buffer
     (`Rows`) so that a merge is one indexed add and appending writes in place; window: the raw
     keys, values and gates of tokens [window_start(seen), seen); read: the slots' read-out, if
-    computed since they last changed.
+    computed since they last changed; founders: (B, Hkv, S, 1) long, the position of the token
+    that founded each slot, where the sequence was started with track_founders (else None).
     """
 
     config: KVMConfig
     slots: Rows
     window: WindowCache
     read: ReadOut | None = None
+    founders: Rows | None = None
 
     @classmethod
     def of(
@@ -138,6 +140,7 @@ class KVMState:
             slots=self.slots.to(device, dtype),
             window=self.window.to(device=device, dtype=dtype),
             read=None,
+            founders=None if self.founders is None else self.founders.to(device),
         )
 
     def select_rows(self, rows: Tensor) -> KVMState:
@@ -147,6 +150,7 @@ class KVMState:
             slots=self.slots.select_rows(rows),
             window=self.window.select_rows(rows),
             read=None,
+            founders=None if self.founders is None else self.founders.select_rows(rows),
         )
 
 

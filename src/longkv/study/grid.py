@@ -11,15 +11,17 @@ resume (train.steps, bookkeeping) differ: then the run is extended and evaluated
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor, nn
 from tqdm import tqdm
 
 from longkv.checks import require
@@ -32,6 +34,7 @@ from longkv.evals.synthetic import (
     predictions,
 )
 from longkv.kvm import KVMState
+from longkv.kvm.layer import KVMAttention
 from longkv.models import LongKVConfig, LongKVForCausalLM
 from longkv.models.modeling import LongKVCache
 from longkv.results import write_atomic
@@ -155,6 +158,44 @@ def state_slots(cache: LongKVCache) -> float | None:
     return sum(sizes) / len(sizes) if sizes else None
 
 
+FATES = ("founded", "merged", "window")  # where a pair's token is at the end of its row
+
+
+def pair_fates(cache: LongKVCache, point: MQARConfig) -> Tensor | None:
+    """(3,) how many of the pairs' tokens, over rows, KV heads and the kvm layers that track
+    founders, founded a slot of their own, merged into other slots, or are still in the window
+    at the end of the row (FATES); None without such layers."""
+    states = [
+        layer.mixer for layer in cache.layers
+        if isinstance(layer.mixer, KVMState) and layer.mixer.founders is not None
+    ]  # fmt: skip
+    if not states:
+        return None
+    counts = torch.zeros(len(FATES), dtype=torch.long)
+    for state in states:
+        assert state.founders is not None
+        founders = state.founders.tensor[..., 0]  # (B, Hkv, S)
+        pos = point.lead + torch.arange(point.num_pairs * point.pair_len, device=founders.device)
+        founded = (founders.unsqueeze(-1) == pos).any(dim=-2)  # (B, Hkv, pair tokens)
+        window = (pos >= state.window.start).expand_as(founded) & ~founded
+        merged = ~founded & ~window
+        counts += torch.stack([founded.sum(), merged.sum(), window.sum()]).cpu()
+    return counts
+
+
+@contextlib.contextmanager
+def founders_tracked(model: nn.Module) -> Iterator[None]:
+    """Within: every KVM layer of model keeps its slots' founding positions (`pair_fates`)."""
+    layers = [m for m in model.modules() if isinstance(m, KVMAttention)]
+    for layer in layers:
+        layer.track_founders = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.track_founders = False
+
+
 def _number(x: float) -> float | None:
     return None if math.isnan(x) else x
 
@@ -163,14 +204,19 @@ def _number(x: float) -> float | None:
 def evaluate_point(
     model: LongKVForCausalLM, point: MQARConfig, rows: int, batch_size: int, edges: list[int]
 ) -> dict[str, Any]:
-    """Accuracy of `rows` rows of one MQAR point, by distance bucket, and the state size."""
+    """Accuracy of `rows` rows of one MQAR point, by distance bucket, the state size and, for
+    kvm layers, where the pairs' tokens are at the end of the row (shares of FATES)."""
     batch = make_mqar(point, rows)
     device = next(model.parameters()).device
-    preds, slots = [], None
-    for i in range(0, rows, batch_size):
-        out = model(batch.input_ids[i : i + batch_size].to(device))
-        preds.append(predictions(out.logits).cpu())
-        slots = state_slots(out.cache)
+    preds, slots, fates = [], None, None
+    with founders_tracked(model):
+        for i in range(0, rows, batch_size):
+            out = model(batch.input_ids[i : i + batch_size].to(device))
+            preds.append(predictions(out.logits).cpu())
+            slots = state_slots(out.cache)
+            counts = pair_fates(out.cache, point)
+            if counts is not None:
+                fates = counts if fates is None else fates + counts
     pred = torch.cat(preds)
     buckets = [
         {**asdict(b), "accuracy": _number(b.accuracy)}
@@ -181,6 +227,9 @@ def evaluate_point(
         "value_len": point.value_len, "lead": point.lead, "lead_kind": point.lead_kind,
         "seq_len": point.seq_len,
         "accuracy": accuracy(pred, batch), "by_distance": buckets, "state_slots": slots,
+        "pair_tokens": None if fates is None else dict(
+            zip(FATES, (fates / fates.sum()).tolist(), strict=True)
+        ),
     }  # fmt: skip
 
 

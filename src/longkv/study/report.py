@@ -67,8 +67,15 @@ def _mean_point(seeds: list[Record]) -> Record:
         **{k: first.get(k, NO_LEAD.get(k)) for k in POINT_KEYS},
         "accuracy": fmean(s["accuracy"] for s in seeds),
         "state_slots": _mean([s["state_slots"] for s in seeds]),
+        "pair_tokens": _mean_fates([s.get("pair_tokens") for s in seeds]),
         "by_distance": buckets,
     }
+
+
+def _mean_fates(seeds: list[dict[str, float] | None]) -> dict[str, float] | None:
+    """The shares of the pairs' tokens per fate averaged over the seeds that recorded them."""
+    present = [f for f in seeds if f is not None]
+    return {k: fmean(f[k] for f in present) for k in present[0]} if present else None
 
 
 def collect(data: StudyData, runs_dir: str | Path) -> tuple[dict[str, list[Record]], list[str]]:
@@ -92,6 +99,11 @@ def collect(data: StudyData, runs_dir: str | Path) -> tuple[dict[str, list[Recor
 
 def _pct(x: float | None) -> str:
     return "-" if x is None or math.isnan(x) else f"{100 * x:.1f}"
+
+
+def _fates(shares: dict[str, float] | None) -> str:
+    """founded / merged / window in %."""
+    return "-" if shares is None else " / ".join(f"{100 * x:.0f}" for x in shares.values())
 
 
 # a point's settings, and their headers on the page (lead and lead kind only where a point has
@@ -148,6 +160,23 @@ def mqar_tables(done: dict[str, list[Record]], means: dict[str, Record]) -> list
         ],
     )
     kvm = [v for v in variants if means[v]["points"][0]["state_slots"] is not None]
+    tracked = [v for v in kvm if means[v]["points"][0].get("pair_tokens") is not None]
+    if tracked:
+        lines += [
+            "",
+            "## Where the pairs' tokens are at the end of the row (kvm layers, mean over seeds)",
+            "",
+            "% of the pairs' tokens (keys and values, over rows, KV heads and kvm layers) that "
+            "founded a slot of their own / merged into another slot / are still in the window.",
+            "",
+            *markdown_table(
+                header + tracked,
+                [
+                    label(p) + [_fates(means[v]["points"][i]["pair_tokens"]) for v in tracked]
+                    for i, p in enumerate(points)
+                ],
+            ),
+        ]
     if kvm:
         lines += [
             "",
