@@ -114,8 +114,7 @@ NO_LEAD = {"lead": 0, "lead_kind": "filler"}
 
 
 def has_leads(points: list[Record]) -> bool:
-    """Whether any point has a lead (filler before the pairs that is not gap filling, or one
-    of its own ids)."""
+    """Whether any point has tokens before its pairs or a lead of its own ids."""
     return any(p.get(k, v) != v for p in points for k, v in NO_LEAD.items())
 
 
@@ -130,7 +129,8 @@ def point_columns(points: list[Record]) -> tuple[list[str], Callable[[Record], l
 
 
 def mqar_tables(done: dict[str, list[Record]], means: dict[str, Record]) -> list[str]:
-    """Accuracy per point (mean, then per seed) and the kvm state sizes."""
+    """Accuracy per point (mean, then per seed), where the kvm layers keep the pairs' tokens
+    and the kvm state sizes."""
     variants = list(done)
     points = next(iter(means.values()))["points"]
     header, label = point_columns(points)
