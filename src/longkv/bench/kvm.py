@@ -332,9 +332,9 @@ def _ovq_ratios(r: BenchResult, add: Callable[..., None]) -> None:
     """OVQ's state against its bound at every length, and its decode against BSWA's (the
     target at the longest length)."""
     s, hi = r.settings, max(r.settings.lengths)
+    bound = ovq_state_bound(s)
     for T in sorted(s.lengths):
         m = r.get("ovq", T)
-        bound = ovq_state_bound(s)
         add(f"ovq state / its bound at {T}", m.state_bytes / bound, ("<=", 1))
         if "bswa" in s.methods:
             slower = m.decode_s_per_token / r.get("bswa", T).decode_s_per_token

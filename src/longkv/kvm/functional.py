@@ -91,19 +91,19 @@ def read_state(
     return state_norm(state.slot_k, weight, bias), read_values(state.slot_v, state.slot_r)
 
 
-def _append(state: KVMState, k: Tensor, v: Tensor, r: Tensor, at: Tensor, donate: bool) -> KVMState:
+def _append(
+    state: KVMState, k: Tensor, v: Tensor, r: Tensor, first: int, donate: bool,
+    picked: Tensor | None = None,
+) -> KVMState:  # fmt: skip
     """The state with new slots k (B, Hkv, n, Dk), v (B, Hkv, n, Dv), r (B, Hkv, n) at the end,
-    founded by the tokens at positions at (B, Hkv, n) (kept where the state tracks founders)."""
+    founded by the tokens at positions first + picked (B, Hkv, n), or first, first + 1, ...
+    without picked; the positions are kept only where the state tracks founders."""
     founders = state.founders
     if founders is not None:
-        founders = founders.append(at.expand(r.shape).unsqueeze(-1), donate)
+        at = torch.arange(r.shape[-1], device=r.device) if picked is None else picked
+        founders = founders.append((first + at).expand(r.shape).unsqueeze(-1), donate)
     slots = state.slots.append(pack_slots(k, v, r), donate)
     return replace(state, slots=slots, founders=founders, read=None)
-
-
-def _positions(start: int, n: int, like: Tensor) -> Tensor:
-    """(n,) long: start, start + 1, ... on like's device."""
-    return torch.arange(start, start + n, device=like.device)
 
 
 def found_first(
@@ -112,8 +112,9 @@ def found_first(
 ) -> KVMState:  # fmt: skip
     """The state with tokens k (B, Hkv, n, Dk), v of the first chunk copied in as slots: the
     first chunk enters the state as it arrives (spec section 5)."""
-    config, at = state.config, _positions(state.num_slots, k.shape[2], k)
-    return _append(state, prep_keys(k, config, weight, bias), v, founder_r(v, config), at, donate)
+    config, first = state.config, state.num_slots  # the first chunk's slot s is token s
+    ku, r = prep_keys(k, config, weight, bias), founder_r(v, config)
+    return _append(state, ku, v, r, first, donate)
 
 
 def update_state(
@@ -142,7 +143,7 @@ def update_state(
     target = desired_state_len(config.budget_rule, config.window_len + cov, cov + C, S0)
     n_append = min(max(target - S0, 0), C)
     if n_append == C:
-        return _append(state, ka, va, founder_r(va, config), _positions(cov, C, k), donate)
+        return _append(state, ka, va, founder_r(va, config), cov, donate)
     if read_k is None:
         read_k = state_norm(state.slot_k, weight, bias)  # (B, Hkv, S0, Dk)
     # the gate, a positive factor per token, ranks nothing: the ungated ku serve every choice
@@ -152,8 +153,8 @@ def update_state(
     merged = None  # (B, Hkv, C, 1): 1 for tokens that merge, 0 for appended ones; None = all 1
     if n_append > 0:
         new_v = take(va, to.picked)
-        new_r, at = founder_r(new_v, config), cov + to.picked
-        state = _append(state, take(ka, to.picked), new_v, new_r, at, donate)
+        new_r = founder_r(new_v, config)
+        state = _append(state, take(ka, to.picked), new_v, new_r, cov, donate, to.picked)
         merged = to.merges.unsqueeze(-1).to(g.dtype)
         kg, vg = kg * merged, vg * merged
 

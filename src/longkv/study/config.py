@@ -73,7 +73,7 @@ def _ints(owner: object, name: str, low: int) -> None:
     )
 
 
-def _fillers(owner: object, name: str, kinds: tuple[str, ...] = FILLERS) -> None:
+def _one_of(owner: object, name: str, kinds: tuple[str, ...]) -> None:
     values = getattr(owner, name)
     require(
         isinstance(values, tuple) and len(values) > 0 and set(values) <= set(kinds),
@@ -116,7 +116,7 @@ class MQARTrainData:
         _ints(self, "value_lens", 1)
         if self.gaps is not None:
             _ints(self, "gaps", 0)
-        _fillers(self, "fillers")
+        _one_of(self, "fillers", FILLERS)
         require_at_least(1, self, "seq_len", "rows", "held_out_rows")
         n = len(self.num_pairs) * len(self.fillers) * len(self.value_lens) * len(self.gaps or (0,))
         for name in ("rows", "held_out_rows"):
@@ -198,8 +198,8 @@ class MQAREval:
         _ints(self, "gaps", 0)
         _ints(self, "value_lens", 1)
         _ints(self, "leads", 0)
-        _fillers(self, "fillers")
-        _fillers(self, "lead_kinds", LEAD_KINDS)
+        _one_of(self, "fillers", FILLERS)
+        _one_of(self, "lead_kinds", LEAD_KINDS)
         require_at_least(1, self, "rows", "batch_size")
         edges = list(self.distance_edges)
         require(

@@ -165,35 +165,33 @@ def pair_fates(cache: LongKVCache, point: MQARConfig) -> Tensor | None:
     """(3,) how many of the pairs' tokens, over rows, KV heads and the kvm layers that track
     founders, founded a slot of their own, merged into other slots, or are still in the window
     at the end of the row (FATES); None without such layers."""
-    states = [
-        layer.mixer for layer in cache.layers
+    tracked = [
+        (layer.mixer.founders.tensor[..., 0], layer.mixer.window.start)  # (B, Hkv, S), position
+        for layer in cache.layers
         if isinstance(layer.mixer, KVMState) and layer.mixer.founders is not None
     ]  # fmt: skip
-    if not states:
+    if not tracked:
         return None
+    pos = point.lead + torch.arange(point.num_pairs * point.pair_len)
     counts = torch.zeros(len(FATES), dtype=torch.long)
-    for state in states:
-        assert state.founders is not None
-        founders = state.founders.tensor[..., 0]  # (B, Hkv, S)
-        pos = point.lead + torch.arange(point.num_pairs * point.pair_len, device=founders.device)
-        founded = (founders.unsqueeze(-1) == pos).any(dim=-2)  # (B, Hkv, pair tokens)
-        window = (pos >= state.window.start).expand_as(founded) & ~founded
-        merged = ~founded & ~window
-        counts += torch.stack([founded.sum(), merged.sum(), window.sum()]).cpu()
+    for founders, window_start in tracked:
+        founded = (founders.cpu().unsqueeze(-1) == pos).any(dim=-2)  # (B, Hkv, pair tokens)
+        window = (pos >= window_start) & ~founded
+        counts += torch.stack([founded.sum(), (~founded & ~window).sum(), window.sum()])
     return counts
 
 
 @contextlib.contextmanager
 def founders_tracked(model: nn.Module) -> Iterator[None]:
     """Within: every KVM layer of model keeps its slots' founding positions (`pair_fates`)."""
-    layers = [m for m in model.modules() if isinstance(m, KVMAttention)]
+    layers = {m: m.track_founders for m in model.modules() if isinstance(m, KVMAttention)}
     for layer in layers:
         layer.track_founders = True
     try:
         yield
     finally:
-        for layer in layers:
-            layer.track_founders = False
+        for layer, before in layers.items():
+            layer.track_founders = before
 
 
 def _number(x: float) -> float | None:
