@@ -353,7 +353,8 @@ def test_bounded_compares_every_bounded_run_on_one_page(
     data["records"] += [{**r, "seed": 1, "prediction": "other"} for r in data["records"]]
     other = tmp_path / "x" / "c.json"
     other.write_text(json.dumps(data))
-    assert main([*argv(2, tmp_path), "--niah-records", str(other)]) == 0
+    twice = ["--niah-records", str(other), str(other)]  # a cell two files answered counts once
+    assert main([*argv(2, tmp_path), *twice]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "b.json",
         "b.md",
@@ -370,6 +371,7 @@ def test_bounded_compares_every_bounded_run_on_one_page(
     fates = [r["needle_fate"] for r in saved["niah"]["records"] if r["needle_fate"]]
     assert len(fates) == 4 and all(abs(sum(f[k] for k in FATES) - 1) < 1e-9 for f in fates)
     page = (tmp_path / "b.md").read_text()
+    assert "- 4 needle answers from" in page and "- 0 needle answers from" in page
     for text in ("| kvm-fold/sqrt@128 |", "### Peak memory against length", "tokens per founded",
                  "### The cache after the read against length"):  # fmt: skip
         assert text in page

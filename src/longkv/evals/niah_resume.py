@@ -84,12 +84,15 @@ def reusable_records(path: Path, s: NiahSettings) -> tuple[list[NiahRecord], dic
 
 
 def reused_answers(paths: tuple[str, ...], s: NiahSettings) -> tuple[list[NiahRecord], list[str]]:
-    """The answers of every file in paths that this grid may take (`reusable_records`), and a
-    page line per file naming how many and the command that gave them."""
+    """The answers of every file in paths that this grid may take (`reusable_records`), one per
+    run and cell (the first file's, where several files answered it), and a page line per file
+    naming how many it gave and the command that gave them."""
     records: list[NiahRecord] = []
     lines: list[str] = []
     for path in paths:
-        taken, source = reusable_records(Path(path), s)
+        found, source = reusable_records(Path(path), s)
+        known = {r.key for r in records}
+        taken = [r for r in found if r.key not in known]
         records += taken
         lines.append(
             f"- {len(taken)} needle answers from `{source.get('command')}` "
