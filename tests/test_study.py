@@ -19,7 +19,7 @@ from longkv.models import LongKVConfig
 from longkv.study import grid
 from longkv.study.config import EVAL, derived_seed, load_study, study_from_mapping
 from longkv.study.grid import EVAL_FILE, StudyData, mqar_rows, run_dir, run_study
-from longkv.study.report import describe_study
+from longkv.study.report import below_half, by_lead, describe_study
 from longkv.train import loop
 from longkv.train.data import pack_texts, split_texts
 from longkv.train.run import load_run, preset_model
@@ -308,10 +308,30 @@ def test_a_study_trains_after_novel_leads_and_scores_every_lead_length_and_kind(
     assert "## Where the pairs' tokens are at the end of the row" in md
     assert "| pairs | gap | filler | value_len | lead | lead kind | tokens |" in md
     assert "| 2 | 0 | random | 1 | 16 | novel | 24 |" in md
+    assert "| variant | seed | lead kind | 0 | 16 | below half at |" in md
     assert stem.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
     before = eval_files(tmp_path / "runs")
     monkeypatch.setattr("longkv.study.grid.train", None)  # a finished run is not trained again
     assert main(argv) == 0 and eval_files(tmp_path / "runs") == before
+
+
+def test_accuracy_by_lead_and_where_it_falls_below_half() -> None:
+    def point(lead: int, kind: str, accuracy: float) -> dict[str, Any]:
+        return {"lead": lead, "lead_kind": kind, "accuracy": accuracy}
+
+    points = [
+        point(0, "novel", 0.8), point(0, "novel", 0.6), point(512, "novel", 0.5),
+        point(128, "novel", 0.4), point(128, "novel", 0.2), point(0, "repeated", 0.9),
+        point(512, "repeated", 0.5), {"accuracy": 0.1},  # a record without a lead: filler, 0
+    ]  # fmt: skip
+    novel = by_lead(points, "novel")
+    assert list(novel) == [0, 128, 512]  # ascending, whatever the points' order
+    assert novel == pytest.approx({0: 0.7, 128: 0.3, 512: 0.5})
+    assert below_half(novel) == "128"  # 0.3 < 0.35, though 512 recovers
+    assert below_half({0: 0.8, 128: 0.5, 512: 0.3, 2048: 0.1}) == "512"  # the first below
+    assert below_half(by_lead(points, "repeated")) == "> 512"  # 0.5 >= 0.45
+    assert by_lead(points, "filler") == {0: 0.1}
+    assert below_half({128: 0.1}) == "-"  # nothing to halve
 
 
 def bad(path: tuple[str, ...], value: Any) -> dict[str, Any]:

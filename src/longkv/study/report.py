@@ -118,6 +118,46 @@ def has_leads(points: list[Record]) -> bool:
     return any(p.get(k, v) != v for p in points for k, v in NO_LEAD.items())
 
 
+def by_lead(points: list[Record], kind: str) -> dict[int, float]:
+    """Accuracy per lead length (ascending) over the points with leads of `kind` (mean over
+    their pairs, gaps, fillers and value lengths)."""
+    mine = [p for p in points if p.get("lead_kind", NO_LEAD["lead_kind"]) == kind]
+    leads = sorted({p.get("lead", 0) for p in mine})
+    return {x: fmean(p["accuracy"] for p in mine if p.get("lead", 0) == x) for x in leads}
+
+
+def below_half(recall: dict[int, float]) -> str:
+    """The shortest lead whose recall is below half of the lead-0 recall ("-" with no lead-0
+    point, "> longest" where none is)."""
+    if 0 not in recall:
+        return "-"
+    below = [x for x, r in recall.items() if r < recall[0] / 2]
+    return str(below[0]) if below else f"> {max(recall)}"
+
+
+def lead_table(done: dict[str, list[Record]], points: list[Record]) -> list[str]:
+    """Per run and lead kind: accuracy at each lead length and where it first falls below half
+    of its lead-0 accuracy."""
+    kinds = sorted({p["lead_kind"] for p in points})
+    leads = sorted({p["lead"] for p in points})
+    rows = []
+    for variant, records in done.items():
+        for r in records:
+            for kind in kinds:
+                recall = by_lead(r["points"], kind)
+                cells = [_pct(recall.get(x)) for x in leads]
+                rows.append([variant, str(r["seed"]), kind, *cells, below_half(recall)])
+    return [
+        "",
+        "## Accuracy against the lead, per seed (%)",
+        "",
+        "Mean over the points with that lead (pairs, gaps); the last column is the shortest "
+        "lead at which the run's accuracy falls below half of its accuracy with no lead.",
+        "",
+        *markdown_table(["variant", "seed", "lead kind", *map(str, leads), "below half at"], rows),
+    ]
+
+
 def point_columns(points: list[Record]) -> tuple[list[str], Callable[[Record], list[str]]]:
     """(the header cells of a point, a function from a point to its cells)."""
     keys = [k for k in POINT_KEYS if k not in NO_LEAD or has_leads(points)]
@@ -159,6 +199,8 @@ def mqar_tables(done: dict[str, list[Record]], means: dict[str, Record]) -> list
             for i, p in enumerate(points)
         ],
     )
+    if has_leads(points):
+        lines += lead_table(done, points)
     kvm = [v for v in variants if means[v]["points"][0]["state_slots"] is not None]
     tracked = [v for v in kvm if means[v]["points"][0].get("pair_tokens") is not None]
     if tracked:
@@ -359,10 +401,9 @@ def plot_mqar(means: dict[str, Record], path: Path, title: str) -> None:
         ax = axes[2][col]
         ax.axis("on")
         for variant, m in means.items():
-            mine = [p for p in m["points"] if p["lead_kind"] == kind]
-            xs = sorted({p["lead"] for p in mine})
-            ys = [fmean(p["accuracy"] for p in mine if p["lead"] == x) for x in xs]
-            ax.plot(xs, ys, marker="o", label=variant, color=color[variant])
+            recall = by_lead(m["points"], kind)
+            ax.plot(list(recall), list(recall.values()), marker="o", label=variant,
+                    color=color[variant])  # fmt: skip
         ax.set_xscale("symlog", linthresh=64)
         ax.set_ylim(-0.02, 1.02)
         ax.set_xlabel("lead before the pairs (tokens; mean over pairs, gaps, fillers)")
