@@ -121,9 +121,10 @@ def has_leads(points: list[Record]) -> bool:
 def by_lead(points: list[Record], kind: str) -> dict[int, float]:
     """Accuracy per lead length (ascending) over the points with leads of `kind` (mean over
     their pairs, gaps, fillers and value lengths)."""
-    mine = [p for p in points if p.get("lead_kind", NO_LEAD["lead_kind"]) == kind]
-    leads = sorted({p.get("lead", 0) for p in mine})
-    return {x: fmean(p["accuracy"] for p in mine if p.get("lead", 0) == x) for x in leads}
+    lead, kinds = NO_LEAD["lead"], NO_LEAD["lead_kind"]  # a record written before leads
+    mine = [p for p in points if p.get("lead_kind", kinds) == kind]
+    leads = sorted({p.get("lead", lead) for p in mine})
+    return {x: fmean(p["accuracy"] for p in mine if p.get("lead", lead) == x) for x in leads}
 
 
 def below_half(recall: dict[int, float]) -> str:
