@@ -308,6 +308,7 @@ def test_a_study_trains_after_novel_leads_and_scores_every_lead_length_and_kind(
     assert "## Where the pairs' tokens are at the end of the row" in md
     assert "| pairs | gap | filler | value_len | lead | lead kind | tokens |" in md
     assert "| 2 | 0 | random | 1 | 16 | novel | 24 |" in md
+    assert "capped at the rest, a novel lead of 32 ids of its own before the pairs" in md
     assert "| variant | seed | lead kind | 0 | 16 | below half at |" in md
     assert stem.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
     before = eval_files(tmp_path / "runs")

@@ -324,10 +324,15 @@ def describe_study(study: StudyConfig, data: StudyData) -> list[str]:
     )
     if study.mqar is not None:
         t = study.mqar.train
+        lead = (
+            "filler"
+            if t.lead_kind == "filler"
+            else f"a {t.lead_kind} lead of {t.lead_vocab} ids of its own"
+        )
         gaps = (
             "the gap filling the rest"
             if t.gaps is None
-            else f"gaps {list(t.gaps)} capped at the rest, filler before the pairs filling it"
+            else f"gaps {list(t.gaps)} capped at the rest, {lead} before the pairs filling it"
         )
         task = (
             f"Task mqar: trained on {t.rows} rows of {t.seq_len} tokens (num_pairs "
