@@ -328,11 +328,14 @@ def test_accuracy_by_lead_and_where_it_falls_below_half() -> None:
     novel = by_lead(points, "novel")
     assert list(novel) == [0, 128, 512]  # ascending, whatever the points' order
     assert novel == pytest.approx({0: 0.7, 128: 0.3, 512: 0.5})
-    assert below_half(novel) == "128"  # 0.3 < 0.35, though 512 recovers
-    assert below_half({0: 0.8, 128: 0.5, 512: 0.3, 2048: 0.1}) == "512"  # the first below
-    assert below_half(by_lead(points, "repeated")) == "> 512"  # 0.5 >= 0.45
+    assert below_half(novel, 0.01) == "128"  # 0.3 < 0.35, though 512 recovers
+    assert below_half({0: 0.8, 128: 0.5, 512: 0.3, 2048: 0.1}, 0.01) == "512"  # the first below
+    assert below_half(by_lead(points, "repeated"), 0.01) == "> 512"  # 0.5 >= 0.45
     assert by_lead(points, "filler") == {0: 0.1}
-    assert below_half({128: 0.1}) == "-"  # nothing to halve
+    assert below_half({128: 0.1}, 0.01) == "-"  # nothing to halve
+    # a run at chance with no lead has no fall to find: 0.03 / 2 is below chance's 0.02
+    assert below_half({0: 0.03, 128: 0.01}, 0.02) == "at chance"
+    assert below_half({0: 0.05, 128: 0.01}, 0.02) == "128"
 
 
 def bad(path: tuple[str, ...], value: Any) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from statistics import fmean
 from typing import Any
 
 from longkv.results import finish_figure, markdown_table, provenance, pyplot, write_report
-from longkv.study.config import TRAIN, StudyConfig
+from longkv.study.config import TRAIN, MQARStudy, StudyConfig
 from longkv.study.grid import StudyData, finished, run_dir
 from longkv.train.loop import METRICS_FILE
 from longkv.train.report import read_metrics
@@ -127,18 +127,21 @@ def by_lead(points: list[Record], kind: str) -> dict[int, float]:
     return {x: fmean(p["accuracy"] for p in mine if p.get("lead", lead) == x) for x in leads}
 
 
-def below_half(recall: dict[int, float]) -> str:
+def below_half(recall: dict[int, float], chance: float) -> str:
     """The shortest lead whose recall is below half of the lead-0 recall ("-" with no lead-0
-    point, "> longest" where none is)."""
+    point, "> longest" where none is, "at chance" where half the lead-0 recall is no more than
+    `chance`, so that no fall could be told from noise)."""
     if 0 not in recall:
         return "-"
+    if recall[0] / 2 <= chance:
+        return "at chance"
     below = [x for x, r in recall.items() if r < recall[0] / 2]
     return str(below[0]) if below else f"> {max(recall)}"
 
 
-def lead_table(done: dict[str, list[Record]], points: list[Record]) -> list[str]:
+def lead_table(done: dict[str, list[Record]], points: list[Record], chance: float) -> list[str]:
     """Per run and lead kind: accuracy at each lead length and where it first falls below half
-    of its lead-0 accuracy."""
+    of its lead-0 accuracy (`below_half`)."""
     kinds = sorted({p["lead_kind"] for p in points})
     leads = sorted({p["lead"] for p in points})
     rows = []
@@ -147,13 +150,14 @@ def lead_table(done: dict[str, list[Record]], points: list[Record]) -> list[str]
             for kind in kinds:
                 recall = by_lead(r["points"], kind)
                 cells = [_pct(recall.get(x)) for x in leads]
-                rows.append([variant, str(r["seed"]), kind, *cells, below_half(recall)])
+                rows.append([variant, str(r["seed"]), kind, *cells, below_half(recall, chance)])
     return [
         "",
         "## Accuracy against the lead, per seed (%)",
         "",
         "Mean over the points with that lead (pairs, gaps); the last column is the shortest "
-        "lead at which the run's accuracy falls below half of its accuracy with no lead.",
+        "lead at which the run's accuracy falls below half of its accuracy with no lead "
+        f'("at chance" where that half is at most chance, {100 * chance:.1f} %).',
         "",
         *markdown_table(["variant", "seed", "lead kind", *map(str, leads), "below half at"], rows),
     ]
@@ -169,8 +173,11 @@ def point_columns(points: list[Record]) -> tuple[list[str], Callable[[Record], l
     return [HEADERS.get(k, k) for k in keys], cells
 
 
-def mqar_tables(done: dict[str, list[Record]], means: dict[str, Record]) -> list[str]:
-    """Accuracy per point (mean, then per seed), where the kvm layers keep the pairs' tokens
+def mqar_tables(
+    done: dict[str, list[Record]], means: dict[str, Record], chance: float
+) -> list[str]:
+    """Accuracy per point (mean, then per seed), against the lead where points have leads
+    (`chance`: one-token values' chance accuracy), where the kvm layers keep the pairs' tokens
     and the kvm state sizes."""
     variants = list(done)
     points = next(iter(means.values()))["points"]
@@ -201,7 +208,7 @@ def mqar_tables(done: dict[str, list[Record]], means: dict[str, Record]) -> list
         ],
     )
     if has_leads(points):
-        lines += lead_table(done, points)
+        lines += lead_table(done, points, chance)
     kvm = [v for v in variants if means[v]["points"][0]["state_slots"] is not None]
     tracked = [v for v in kvm if means[v]["points"][0].get("pair_tokens") is not None]
     if tracked:
@@ -309,6 +316,11 @@ def time_table(done: dict[str, list[Record]]) -> list[str]:
     ]
 
 
+def value_ids(mqar: MQARStudy) -> int:
+    """How many ids a value token is drawn from: chance is 1 / this with one-token values."""
+    return mqar.train.configs(TRAIN)[0].key_vocab
+
+
 def describe_study(study: StudyConfig, data: StudyData) -> list[str]:
     """What was trained and how: the task, variants, seeds, steps, token shift."""
     variants = [
@@ -340,7 +352,7 @@ def describe_study(study: StudyConfig, data: StudyData) -> list[str]:
             f"queries = pairs, {gaps}), loss on the answer tokens only; "
             f"evaluated on {study.mqar.eval.rows} rows per point."
         )
-        n = t.configs(TRAIN)[0].key_vocab
+        n = value_ids(study.mqar)
         task += (
             f" Chance is a held-out loss of ln {n} = {math.log(n):.2f} (every one of the {n} "
             f"value ids alike) and {100 / n:.1f} % with one-token values: a run there has not "
@@ -472,8 +484,12 @@ def write_study_report(
     if missing:
         body += ["", f"Not run (or run with other settings): {', '.join(missing)}."]
     if done:
-        tables = mqar_tables if study.mqar is not None else lm_tables
-        body += [*tables(done, means), *time_table(done), "", f"![plots]({stem.name}.png)"]
+        tables = (
+            mqar_tables(done, means, 1 / value_ids(study.mqar))
+            if study.mqar is not None
+            else lm_tables(done, means)
+        )
+        body += [*tables, *time_table(done), "", f"![plots]({stem.name}.png)"]
     payload = {
         "provenance": provenance(argv),
         "study": study.as_dict(),
