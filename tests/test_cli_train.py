@@ -194,9 +194,7 @@ def test_bench_train_measures_every_variant_and_mode(
     assert [(r["variant"], r["mode"]) for r in report["rows"]] == [
         (v, m) for v in ("kvm_sqrt", "full") for m in modes
     ]
-    # Linux measures it; a 5 MiB step may fit in free heap the test process already holds
-    assert all(isinstance(r["peak_memory_bytes"], int) for r in report["rows"])
-    assert max(r["peak_memory_bytes"] for r in report["rows"]) > 0
+    assert all(r["peak_memory_bytes"] > 0 for r in report["rows"])  # Linux measures it
     assert "kvm_sqrt bf16 / fp32 tokens/s at 128" in report["ratios"]
     assert main([*argv, "--modes", "fp16+compile"]) == 2
     assert "--modes: 'fp16+compile': a precision of" in capsys.readouterr().err
