@@ -64,7 +64,7 @@ def _mean_point(seeds: list[Record]) -> Record:
         for j, b in enumerate(first["by_distance"])
     ]
     return {
-        **{k: first.get(k, NO_LEAD.get(k)) for k in POINT_KEYS},
+        **{k: setting(first, k) for k in POINT_KEYS},
         "accuracy": fmean(s["accuracy"] for s in seeds),
         "state_slots": _mean([s["state_slots"] for s in seeds]),
         "pair_tokens": _mean_fates([s.get("pair_tokens") for s in seeds]),
@@ -113,18 +113,22 @@ HEADERS = {"num_pairs": "pairs", "lead_kind": "lead kind", "seq_len": "tokens"}
 NO_LEAD = {"lead": 0, "lead_kind": "filler"}
 
 
+def setting(point: Record, key: str) -> Any:
+    """A point's setting `key`, reading a record written before leads through NO_LEAD."""
+    return point.get(key, NO_LEAD.get(key))
+
+
 def has_leads(points: list[Record]) -> bool:
     """Whether any point has tokens before its pairs or a lead of its own ids."""
-    return any(p.get(k, v) != v for p in points for k, v in NO_LEAD.items())
+    return any(setting(p, k) != v for p in points for k, v in NO_LEAD.items())
 
 
 def by_lead(points: list[Record], kind: str) -> dict[int, float]:
     """Accuracy per lead length (ascending) over the points with leads of `kind` (mean over
     their pairs, gaps, fillers and value lengths)."""
-    lead, kinds = NO_LEAD["lead"], NO_LEAD["lead_kind"]  # a record written before leads
-    mine = [p for p in points if p.get("lead_kind", kinds) == kind]
-    leads = sorted({p.get("lead", lead) for p in mine})
-    return {x: fmean(p["accuracy"] for p in mine if p.get("lead", lead) == x) for x in leads}
+    mine = [p for p in points if setting(p, "lead_kind") == kind]
+    leads = sorted({setting(p, "lead") for p in mine})
+    return {x: fmean(p["accuracy"] for p in mine if setting(p, "lead") == x) for x in leads}
 
 
 def below_half(recall: dict[int, float], chance: float) -> str:
@@ -142,8 +146,8 @@ def below_half(recall: dict[int, float], chance: float) -> str:
 def lead_table(done: dict[str, list[Record]], points: list[Record], chance: float) -> list[str]:
     """Per run and lead kind: accuracy at each lead length and where it first falls below half
     of its lead-0 accuracy (`below_half`)."""
-    kinds = sorted({p["lead_kind"] for p in points})
-    leads = sorted({p["lead"] for p in points})
+    kinds = sorted({setting(p, "lead_kind") for p in points})
+    leads = sorted({setting(p, "lead") for p in points})
     rows = []
     for variant, records in done.items():
         for r in records:
@@ -168,7 +172,7 @@ def point_columns(points: list[Record]) -> tuple[list[str], Callable[[Record], l
     keys = [k for k in POINT_KEYS if k not in NO_LEAD or has_leads(points)]
 
     def cells(p: Record) -> list[str]:
-        return [str(p.get(k, NO_LEAD.get(k))) for k in keys]
+        return [str(setting(p, k)) for k in keys]
 
     return [HEADERS.get(k, k) for k in keys], cells
 
