@@ -1,5 +1,6 @@
-"""Two-level KVM-Fold attention: routing and the merged softmax against the per-query reference
-in float64, and its two ends (every slot opened: the exact cache; none: the coarse state)."""
+"""Two-level KVM-Fold: a frozen model through the two-level cache. Every slot opened is the exact
+fold; a layer's attention is the per-query reference over its own cache and leaves; labels,
+slot keys, needle routes and refusals. The routed attention itself: tests/test_routed.py."""
 
 from __future__ import annotations
 
@@ -16,114 +17,10 @@ from longkv.caches import (
     run_bounded,
 )
 from longkv.caches.methods import BoundedOptions, make_runner
-from longkv.caches.naive import two_level_attention_naive
-from longkv.caches.two_level import (
-    TwoLevelRunner,
-    attended_entries,
-    open_slots,
-    two_level_attention,
-    two_level_bias,
-)
+from longkv.caches.naive import routed_attention_naive
+from longkv.caches.routed import block_units, grouped, top_units
+from longkv.caches.two_level import TwoLevelRunner, slot_scores
 from longkv.fold import fold_generate, kv_fold
-from longkv.fold.attention import visible_keys
-
-B, H, HKV, T, D, DV = 2, 4, 2, 3, 6, 5
-SINKS, SLOTS, LEAVES, WINDOW = 2, 5, 12, 4
-SCALE = D**-0.5
-
-
-def case(seed: int) -> tuple[Tensor, dict[str, tuple[Tensor, Tensor]], Tensor, Tensor]:
-    """Random queries and entries in float64; every slot owns at least one leaf, and its count
-    is the number of leaves it owns (as a state's slots count their tokens)."""
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(*shape: int) -> Tensor:
-        return torch.randn(*shape, generator=g, dtype=torch.float64)
-
-    q = rand(B, H, T, D)
-    entries = {
-        name: (rand(B, HKV, n, D), rand(B, HKV, n, DV))
-        for name, n in (("sinks", SINKS), ("slots", SLOTS), ("leaves", LEAVES), ("window", WINDOW))
-    }
-    owner = torch.randint(0, SLOTS, (B, HKV, LEAVES), generator=g)
-    owner[..., :SLOTS] = torch.arange(SLOTS)  # no slot without a leaf
-    count = torch.zeros(B, HKV, SLOTS, dtype=torch.float64).scatter_add(
-        -1, owner, torch.ones(B, HKV, LEAVES, dtype=torch.float64)
-    )
-    return q, entries, count, owner
-
-
-def fast(
-    q: Tensor, entries: dict[str, tuple[Tensor, Tensor]], count: Tensor, owner: Tensor, k: int
-) -> Tensor:
-    order = ("sinks", "slots", "leaves", "window")
-    keys = torch.cat([entries[n][0] for n in order], dim=2)
-    values = torch.cat([entries[n][1] for n in order], dim=2)
-    opened = open_slots(q, entries["slots"][0], count, k, SCALE)
-    bias = two_level_bias(opened, count, owner, SINKS, WINDOW)
-    return two_level_attention(q, keys, values, bias, SCALE)
-
-
-def softmax_over(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor | None = None) -> Tensor:
-    """Plain softmax attention of q over keys/values (B, Hkv, n, *), an optional bias (B, 1, 1,
-    n) per KV head's entries."""
-    k = keys.repeat_interleave(H // HKV, dim=1)
-    v = values.repeat_interleave(H // HKV, dim=1)
-    logits = SCALE * (q @ k.transpose(-1, -2))
-    if bias is not None:
-        logits = logits + bias.repeat_interleave(H // HKV, dim=1)
-    return torch.softmax(logits, dim=-1) @ v
-
-
-@pytest.mark.parametrize("k", [0, 1, 2, SLOTS, SLOTS + 3])
-@pytest.mark.parametrize("seed", [0, 1])
-def test_routing_and_the_merged_softmax_equal_the_per_query_reference(k: int, seed: int) -> None:
-    q, entries, count, owner = case(seed)
-    want = two_level_attention_naive(q, entries, count, owner, k, SCALE)
-    assert torch.allclose(fast(q, entries, count, owner, k), want, atol=TOL, rtol=0)
-
-
-def test_opening_every_slot_is_softmax_over_sinks_leaves_and_window() -> None:
-    q, entries, count, owner = case(2)
-    keys = torch.cat([entries[n][0] for n in ("sinks", "leaves", "window")], dim=2)
-    values = torch.cat([entries[n][1] for n in ("sinks", "leaves", "window")], dim=2)
-    exact = softmax_over(q, keys, values)
-    assert torch.allclose(fast(q, entries, count, owner, SLOTS), exact, atol=TOL, rtol=0)
-
-
-def test_opening_no_slot_is_the_coarse_state_with_the_count_bias() -> None:
-    q, entries, count, owner = case(3)
-    keys = torch.cat([entries[n][0] for n in ("sinks", "slots", "window")], dim=2)
-    values = torch.cat([entries[n][1] for n in ("sinks", "slots", "window")], dim=2)
-    zeros = count.new_zeros
-    bias = torch.cat([zeros(B, HKV, SINKS), count.log(), zeros(B, HKV, WINDOW)], dim=-1)
-    coarse = softmax_over(q, keys, values, bias.unsqueeze(2))
-    assert torch.allclose(fast(q, entries, count, owner, 0), coarse, atol=TOL, rtol=0)
-
-
-def test_each_query_head_opens_its_top_slots_the_earlier_on_ties() -> None:
-    q = torch.tensor([[[[1.0, 0.0]], [[0.0, 1.0]]]])  # (1, 2, 1, 2): two query heads, one KV head
-    slot_k = torch.tensor([[[[2.0, 0.0], [0.0, 1.0], [0.0, 1.0], [1.0, 0.0]]]])  # (1, 1, 4, 2)
-    count = torch.tensor([[[1.0, 1.0, 1.0, 2.0]]])
-    opened = open_slots(q, slot_k, count, 2, 1.0)
-    # head 0: scores 2, 0, 0, 1 + log 2 -> slots 0 and 3; head 1: 0, 1, 1, log 2 -> 1 and 2
-    assert opened[0, :, 0].tolist() == [[True, False, False, True], [False, True, True, False]]
-    # one slot each: slots 1 and 2 tie for head 1, the earlier wins
-    assert open_slots(q, slot_k, count, 1, 1.0)[0, 1, 0].tolist() == [False, True, False, False]
-    assert open_slots(q, slot_k, count, 9, 1.0).all()  # k beyond the slots opens them all
-
-
-@pytest.mark.parametrize("k", [0, 2, SLOTS])
-def test_the_attended_entries_are_the_finite_entries_of_the_bias_the_window_causal(k: int) -> None:
-    q, entries, count, owner = case(4)
-    opened = open_slots(q, entries["slots"][0], count, k, SCALE)
-    bias = two_level_bias(opened, count, owner, SINKS, WINDOW)
-    causal = visible_keys("causal", T, bias.shape[-1])
-    want = (bias.isfinite() & causal).sum(-1).double()
-    assert torch.equal(attended_entries(opened, count, SINKS, WINDOW), want)
-
-
-# the runner: a frozen model through the two-level cache ----------------------------------------
 
 
 def ids_of(n: int = 90) -> Tensor:
@@ -168,32 +65,38 @@ def test_opening_fewer_slots_reads_less_and_differs_from_both_ends() -> None:
 
 
 @pytest.mark.parametrize("store", ["exact", "file"])
-def test_gathering_the_opened_slots_leaves_attends_as_every_leaf_with_the_bias(store: str) -> None:
-    """A layer's route gathers only the leaves of slots some query head opens; softmax over
-    them equals softmax over every leaf under `two_level_bias` (float64, 1e-10)."""
+@pytest.mark.parametrize("routing", ["block", "token"])
+def test_a_layers_attention_is_the_per_query_reference_over_its_own_cache(
+    store: str, routing: str
+) -> None:
+    """A layer's attention over the runner's cache and leaves (float64) equals the per-query
+    reference opening the slots its routing opens (1e-10)."""
     model, ids = tiny_hf("llama", torch.float64), ids_of()
-    runner = make_runner(model, KVMFoldConfig(budget=26, sinks=2, window=16, open=2, leaves=store))
+    config = KVMFoldConfig(
+        budget=26, sinks=2, window=16, open=2, leaves=store, routing=routing, leaf_budget=10
+    )
+    runner = make_runner(model, config)
     assert isinstance(runner, TwoLevelRunner)
     bounded_fold(runner, ids, 8)
-    layer = runner.cache.layers[0]  # the last forward's bounded part: the chunk is its tail
+    layer = runner.cache.layers[0]  # the last forward's [sinks | read-outs | window | chunk]
     keys, values = layer.keys, layer.values
     state, leaves = runner.states[0], runner.leaves[0]
     assert state is not None and leaves is not None
-    q = torch.randn(2, 4, 3, keys.shape[-1], generator=torch.Generator().manual_seed(1))
-    q = q.double()
-    got_k, got_v, got_bias = runner.route(0)(q, keys, values, 0.3)
-    assert got_k.shape[2] < keys.shape[2] + len(leaves)  # not every leaf was read
-    causal = visible_keys("causal", 3, got_k.shape[2])
-    fast = two_level_attention(q, got_k, got_v, got_bias.masked_fill(~causal, float("-inf")), 0.3)
+    S, L, N = state.num_slots, 3, keys.shape[2]
+    q = torch.randn(2, 4, L, keys.shape[-1], generator=torch.Generator().manual_seed(1)).double()
+    got = runner.attend(0)(q, keys, values, 0.3)
+    count = state.count.double()
+    rank = slot_scores(grouped(q, 2), keys[:, :, 2 : 2 + S], count, 0.3)
+    if routing == "block":
+        opened = block_units(rank, 2, count, 10).repeat_interleave(2, dim=1).expand(2, 4, L, S)
+    else:
+        opened = top_units(rank, 2).reshape(2, 4, L, S)
     every = leaves.gather(None, torch.float64)
-    S, window = state.num_slots, keys.shape[2] - 2 - state.num_slots
-    opened = open_slots(q, keys[:, :, 2 : 2 + S], state.count.double(), 2, 0.3)
-    bias = two_level_bias(opened, state.count.double(), every.owner, 2, window)
-    all_k = torch.cat([keys[:, :, : 2 + S], every.keys, keys[:, :, 2 + S :]], dim=2)
-    all_v = torch.cat([values[:, :, : 2 + S], every.values, values[:, :, 2 + S :]], dim=2)
-    causal = visible_keys("causal", 3, all_k.shape[2])
-    want = two_level_attention(q, all_k, all_v, bias.masked_fill(~causal, float("-inf")), 0.3)
-    torch.testing.assert_close(fast, want, rtol=0, atol=TOL)
+    spans = {"sinks": (0, 2), "slots": (2, 2 + S), "window": (2 + S, N - L), "chunk": (N - L, N)}
+    entries = {name: (keys[:, :, a:b], values[:, :, a:b]) for name, (a, b) in spans.items()}
+    entries["leaves"] = (every.keys, every.values)
+    want = routed_attention_naive(q, entries, count, every.owner, opened, 0.3)
+    torch.testing.assert_close(got, want, rtol=0, atol=TOL)
 
 
 def test_each_opening_and_store_is_a_run_labelled_with_what_differs_from_the_default() -> None:
@@ -275,20 +178,26 @@ def test_centred_slot_keys_still_open_to_the_exact_fold() -> None:
 
 
 @pytest.mark.parametrize("k", [1, 3, 8])
-def test_the_needle_route_ranks_each_leaving_tokens_slot_for_the_last_query(k: int) -> None:
+@pytest.mark.parametrize("routing", ["token", "block"])
+def test_the_needle_route_ranks_each_leaving_tokens_slot_for_the_last_query(
+    k: int, routing: str
+) -> None:
     """Against a per-token count: a token that left the window is routed by a query head when
-    fewer than k slots score above its slot (earlier slots first on ties); tokens still in the
-    window count in `left` only."""
+    the head opened its slot (per token: fewer than k slots score above it, earlier slots
+    first on ties); tokens still in the window count in `left` only."""
     model, ids = tiny_hf("llama", torch.float64), ids_of()
-    runner = make_runner(model, KVMFoldConfig(budget=26, sinks=2, window=16, open=k))
+    config = KVMFoldConfig(budget=26, sinks=2, window=16, open=k, routing=routing, leaf_budget=6)
+    runner = make_runner(model, config)
     assert isinstance(runner, TwoLevelRunner)
     bounded_fold(runner, ids, 8)
     # the last chunk (88, 89) was read after a window of 74 .. 87: tokens 60 .. 73 had left it
     start, stop = 60, 80
     got = runner.needle_route(start, stop)
-    ranks = []
-    for scores, leaves in zip(runner.last_scores, runner.leaves, strict=True):
-        assert scores is not None and leaves is not None
+    ranks, routed = [], []
+    for scores, opened, leaves in zip(
+        runner.last_scores, runner.last_opened, runner.leaves, strict=True
+    ):
+        assert scores is not None and opened is not None and leaves is not None
         groups = scores.shape[1] // leaves.owner.tensor.shape[1]
         for b in range(2):
             for h in range(scores.shape[1]):
@@ -296,10 +205,13 @@ def test_the_needle_route_ranks_each_leaving_tokens_slot_for_the_last_query(k: i
                 for p in range(start, min(stop, 2 + len(leaves))):
                     slot = int(leaves.owner.tensor[b, h // groups, p - 2, 0])
                     ranks.append(order.index(slot))
+                    routed.append(bool(opened[b, h, slot]))
     n_layers, H = len(runner.leaves), runner.last_scores[0].shape[1]
     assert got["left"] == pytest.approx(len(ranks) / (20 * 2 * H * n_layers))
     assert got["left"] == pytest.approx(14 / 20)
-    assert got["routed"] == pytest.approx(sum(r < k for r in ranks) / len(ranks))
+    assert got["routed"] == pytest.approx(sum(routed) / len(routed))
+    if routing == "token":
+        assert routed == [r < k for r in ranks]
     assert got["slot_rank"] == float(torch.tensor(ranks, dtype=torch.float64).median())
     assert runner.needle_route(80, 90) == {"left": 0.0}  # all still in the window
 

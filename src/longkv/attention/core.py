@@ -124,7 +124,8 @@ class KeySet:
     softmax scale (and any temperature) already multiplied in, against keys k (B, Hkv, Lk, Dk)
     and values v (B, Hkv, Lk, Dv); causal: the last Lq keys are the queries' own tokens, each
     query seeing those up to itself (every other key is visible to every query); bias
-    (B, Hkv, Lk): added to every query's logit of each key (None: 0)."""
+    (B, Hkv, Lk): added to every query's logit of each key, or (B, Hkv, G * Lq, Lk): to each
+    query head's (heads major, as q's (G, Lq)) (None: 0)."""
 
     q: Tensor
     k: Tensor
@@ -162,7 +163,7 @@ def attend_key_sets(sets: list[KeySet]) -> Tensor:
         causal = s.causal and Lq > 1  # a single query sees every key of its set
         mask = _causal_tail(Lq, s.k.shape[2], G, q.dtype, q.device) if causal else None
         if s.bias is not None:  # (B, Hkv, 1, Lk): the kernel broadcasts it over the queries
-            bias = s.bias.unsqueeze(2)
+            bias = s.bias.unsqueeze(2) if s.bias.dim() == 3 else s.bias
             mask = bias if mask is None else bias + mask
         o, m = _FLASH_CPU(q, _widen(s.k, D), _widen(s.v, D), attn_mask=mask, scale=1.0)[:2]
         if out is None or lse is None:
@@ -204,7 +205,8 @@ def _attend_concatenated(sets: list[KeySet]) -> Tensor:
     for s in sets:
         part = (s.q.reshape(B, Hkv, G * Lq, -1) @ s.k.transpose(-1, -2)).view(B, Hkv, G, Lq, -1)
         if s.bias is not None:
-            part = part + s.bias[:, :, None, None, :]
+            bias = s.bias.unsqueeze(2) if s.bias.dim() == 3 else s.bias
+            part = part + bias.view(B, Hkv, -1, 1 if bias.shape[2] == 1 else Lq, part.shape[-1])
         if s.causal:
             part[..., part.shape[-1] - Lq :].masked_fill_(hidden_future(Lq, part.device), -math.inf)
         logits.append(part)

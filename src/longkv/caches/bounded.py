@@ -158,8 +158,8 @@ class BoundedConfig:
 
 class BoundedRunner:
     """The cache of a bounded policy and the count of tokens read; subclasses say what the
-    middle holds (`middle`), what happens to tokens leaving the window (`absorb`) and what
-    they need from attention (`hooks`, `observed`)."""
+    middle holds (`middle`, `middle_count`: nothing by default), what happens to tokens leaving
+    the window (`absorb`) and what they need from attention (`hooks`, `observed`)."""
 
     method = "a bounded cache"
 
@@ -179,12 +179,14 @@ class BoundedRunner:
     # what a policy provides
     @property
     def middle_count(self) -> int:
-        """Entries the middle holds now (the same in every layer)."""
-        raise NotImplementedError
+        """Entries the middle holds now (the same in every layer); none by default."""
+        return 0
 
     def middle(self, layer: int) -> tuple[Tensor, Tensor]:
-        """Un-rotated keys (B, Hkv, M, D) and values (B, Hkv, M, Dv) of the middle."""
-        raise NotImplementedError
+        """Un-rotated keys (B, Hkv, M, D) and values (B, Hkv, M, Dv) of the middle; none by
+        default."""
+        k, v = self.window_k[layer], self.window_v[layer]
+        return k[:, :, :0], v[:, :, :0]
 
     def absorb(self, layer: int, keys: Tensor, values: Tensor, first: int) -> None:
         """Take the tokens first, first + 1, ... (un-rotated keys (B, Hkv, m, D), values)

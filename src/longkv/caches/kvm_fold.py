@@ -28,6 +28,7 @@ from longkv.caches.kvm_state import (
     update_state,
 )
 from longkv.caches.leaves import LEAF_STORES
+from longkv.caches.routed import ROUTINGS
 from longkv.checks import refused_as, require, require_at_least, setting
 from longkv.fold.attention import AttentionHooks
 from longkv.kvm.config import BudgetRule, desired_state_len
@@ -82,6 +83,18 @@ class KVMFoldConfig(BoundedConfig):
         "keys, rotated at their mean position)",
         choices=SLOT_KEYS,
     )
+    routing: str = setting(
+        "block",
+        "two-level KVM-Fold: who opens slots in a prefill chunk: block (its queries together, the "
+        "union of each query head's best, within leaf_budget) or token (each query head and "
+        "query its own); a decoded token's query heads open their own either way",
+        choices=ROUTINGS,
+    )
+    leaf_budget: int | None = setting(
+        1024,
+        "two-level KVM-Fold, block routing: the most leaves per KV head a prefill chunk's "
+        "queries open together (None: every slot any of them ranks in its best)",
+    )
     leaf_dir: str | None = setting(
         None,
         "two-level KVM-Fold, file leaves: the folder their files go to (default: the system's "
@@ -104,6 +117,9 @@ class KVMFoldConfig(BoundedConfig):
         require_at_least(0, self, "open")
         require(self.leaves in LEAF_STORES, self, "leaves", f"must be one of {LEAF_STORES}")
         require(self.slot_key in SLOT_KEYS, self, "slot_key", f"must be one of {SLOT_KEYS}")
+        require(self.routing in ROUTINGS, self, "routing", f"must be one of {ROUTINGS}")
+        if self.leaf_budget is not None:
+            require_at_least(1, self, "leaf_budget")
         require(
             self.open or self.slot_key == "rotated", self, "slot_key",
             "only two-level KVM-Fold (open > 0) reads its slots by another key",

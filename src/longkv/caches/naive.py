@@ -78,53 +78,85 @@ def update_state_naive(
     )
 
 
-def two_level_attention_naive(
+def top_units_naive(rank: Tensor, k: int) -> list[int]:
+    """The k best units of one row's scores rank (U,), best first, the earlier on ties."""
+    return sorted(range(rank.shape[0]), key=lambda i: (-float(rank[i]), i))[:k]
+
+
+def block_units_naive(rank: Tensor, k: int, count: Tensor, leaf_budget: int | None) -> Tensor:
+    """`longkv.caches.routed.block_units` written out per row and unit: (B, Hkv, 1, U) bool."""
+    B, Hkv, R, U = rank.shape
+    out = torch.zeros(B, Hkv, 1, U, dtype=torch.bool)
+    for b in range(B):
+        for h in range(Hkv):
+            share: dict[int, float] = {}  # the units some row chose, by their largest share
+            for r in range(R):
+                row = rank[b, h, r]
+                top = max(float(x) for x in row)
+                total = sum(math.exp(float(x) - top) for x in row)
+                for i in top_units_naive(row, k):
+                    share[i] = max(share.get(i, 0.0), math.exp(float(row[i]) - top) / total)
+            used = 0.0
+            for i in sorted(share, key=lambda i: (-share[i], i)):
+                used += float(count[b, h, i])
+                if leaf_budget is not None and used > leaf_budget:
+                    break
+                out[b, h, 0, i] = True
+    return out
+
+
+def routed_attention_naive(
     q: Tensor,
     entries: dict[str, tuple[Tensor, Tensor]],
-    count: Tensor,
+    count: Tensor | None,
     owner: Tensor,
-    k_open: int,
+    opened: Tensor,
     scale: float,
 ) -> Tensor:
-    """`longkv.caches.two_level` written out per row, query head and query.
+    """`longkv.caches.routed.routed_attention` written out per row, query head and query.
 
-    q (B, H, T, D); entries: "sinks", "slots" (the read-outs), "leaves" and "window", each
-    (keys (B, Hkv, n, D), values (B, Hkv, n, Dv)); count (B, Hkv, S); owner (B, Hkv, L). Each
-    query opens its k_open highest-scoring slots (scale * q . key + log count; earlier first on
-    ties) and takes one softmax over the sinks, the unopened slots' read-outs (+ log count), the
-    opened slots' leaves and the window. Returns (B, H, T, Dv).
+    q (B, H, T, D); entries: "sinks", "window" (before the chunk), "chunk" (the T queries' own
+    tokens: query t sees the first t + 1), "leaves" and, with count, "slots" (the units'
+    read-outs), each (keys (B, Hkv, n, D), values (B, Hkv, n, Dv)); count (B, Hkv, U) the units'
+    tokens, or None (no read-outs); owner (B, Hkv, n) the unit of each leaf; opened (B, H, T, U)
+    bool, the units each query head and query opens. One softmax over the sinks, the window,
+    the chunk up to the query, the opened units' leaves and the closed units' read-outs (logit +
+    log count). Returns (B, H, T, Dv).
     """
     B, H, T, _ = q.shape
-    Hkv = count.shape[1]
-    S = count.shape[2]
+    Hkv = owner.shape[1]
     out = torch.zeros(B, H, T, entries["sinks"][1].shape[-1], dtype=q.dtype)
     for b in range(B):
         for h in range(H):
             g = h // (H // Hkv)  # the KV head of query head h
-            c = [float(x) for x in count[b, g]]
             for t in range(T):
                 x = q[b, h, t]
 
                 def logit(key: Tensor, x: Tensor = x) -> float:
                     return scale * float(x @ key)
 
-                slot_k, slot_v = entries["slots"]
-                score = [logit(slot_k[b, g, i]) + math.log(c[i]) for i in range(S)]
-                ranked = sorted(range(S), key=lambda i: (-score[i], i))
-                opened = set(ranked[: min(k_open, S)])
+                units = {i for i in range(opened.shape[-1]) if opened[b, h, t, i]}
                 seen: list[tuple[float, Tensor]] = []  # (logit, value) of every visible entry
-                for name in ("sinks", "window"):
+                for name, upto in (("sinks", None), ("window", None), ("chunk", t + 1)):
                     keys, values = entries[name]
-                    seen += [(logit(keys[b, g, j]), values[b, g, j]) for j in range(keys.shape[2])]
-                seen += [(score[i], slot_v[b, g, i]) for i in range(S) if i not in opened]
+                    n = keys.shape[2] if upto is None else upto
+                    seen += [(logit(keys[b, g, j]), values[b, g, j]) for j in range(n)]
+                if count is not None:
+                    slot_k, slot_v = entries["slots"]
+                    seen += [
+                        (logit(slot_k[b, g, i]) + math.log(float(count[b, g, i])), slot_v[b, g, i])
+                        for i in range(count.shape[-1])
+                        if i not in units
+                    ]
                 leaf_k, leaf_v = entries["leaves"]
                 seen += [
                     (logit(leaf_k[b, g, j]), leaf_v[b, g, j])
                     for j in range(leaf_k.shape[2])
-                    if int(owner[b, g, j]) in opened
+                    if int(owner[b, g, j]) in units
                 ]
                 top = max(lg for lg, _ in seen)
                 weights = [math.exp(lg - top) for lg, _ in seen]
                 total = sum(weights)
                 out[b, h, t] = sum(w * v for w, (_, v) in zip(weights, seen, strict=True)) / total
     return out
+

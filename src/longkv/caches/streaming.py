@@ -28,14 +28,6 @@ class StreamingRunner(BoundedRunner):
     def __init__(self, model: nn.Module, sinks: int = 4, window: int = 1020):
         super().__init__(model, BoundedConfig(budget=sinks + window, sinks=sinks, window=window))
 
-    @property
-    def middle_count(self) -> int:
-        return 0
-
-    def middle(self, layer: int) -> tuple[Tensor, Tensor]:
-        k, v = self.window_k[layer], self.window_v[layer]
-        return k[:, :, :0], v[:, :, :0]
-
     def absorb(self, layer: int, keys: Tensor, values: Tensor, first: int) -> None:
         """Tokens that leave the window are evicted."""
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from longkv.caches.methods import CACHE_METHODS, BoundedOptions, make_runner, read_and_answer
-from longkv.caches.two_level import check_two_level_room
+from longkv.caches.retrieval import check_exact_positions
 from longkv.checks import refused_as, require, require_at_least, setting
 from longkv.cli.args import command
 from longkv.cli.common import LoadOptions, dtype_setting, input_device
@@ -127,7 +127,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             )  # fmt: skip
     elif getattr(config, "open", 0):  # two-level KVM-Fold keeps every position too
         with refused_as(o, "file"):
-            check_two_level_room(model, needed, f"the document, question and answer ({label})")
+            check_exact_positions(model, needed, f"the document, question and answer ({label})")
     eos = getattr(tokenizer, "eos_token_id", None)
     tensor = torch.tensor([ids], device=input_device(model))
     runner = None if config is None else make_runner(model, config)

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from longkv.caches.kvm_fold import KVMFoldRunner
 from longkv.caches.methods import make_runner, read_and_answer
-from longkv.caches.two_level import TwoLevelRunner, check_two_level_room
+from longkv.caches.retrieval import RetrievalRunner, check_exact_positions
 from longkv.checks import refuse, refused_as
 from longkv.evals.niah import ANSWER_BUDGET, NiahSample, answer_span, make_sample, sample_score
 from longkv.evals.niah_records import NiahRecord, NiahRun, NiahSettings
@@ -42,9 +42,9 @@ def answer(
 ) -> tuple[list[int], dict[str, float] | None]:
     """Greedy answer tokens of one method run (a label of `s.runs`) to the prompt ids (1, T),
     and for kvm-fold where the tokens of `span` went (`KVMFoldRunner.fates`; else None), with,
-    for two-level KVM-Fold, how the prompt's last query routed to them
-    (`TwoLevelRunner.needle_route`). A chunked read shows its progress (a bar that goes when it
-    is done).
+    for a retrieval cache (two-level KVM-Fold, Quest, InfLLM), how the prompt's last query
+    routed to them (`RetrievalRunner.needle_route`). A chunked read shows its progress (a bar
+    that goes when it is done).
 
     allow_extrapolation lets full and fold run a RoPE model past its max_position_embeddings
     (`fold_generate`)."""
@@ -56,7 +56,7 @@ def answer(
     )
 
     def routed() -> None:  # how the prompt's last query routed to the answer
-        if isinstance(runner, TwoLevelRunner) and span is not None:
+        if isinstance(runner, RetrievalRunner) and span is not None:
             route.update(runner.needle_route(*span))
 
     out = read_and_answer(
@@ -66,6 +66,8 @@ def answer(
     )  # fmt: skip
     if isinstance(runner, KVMFoldRunner) and span is not None:
         fate = {**runner.fates(*span), **route}
+    elif route:
+        fate = route
     tokens = out[0].tolist()
     return tokens[: tokens.index(eos)] if eos is not None and eos in tokens else tokens, fate
 
@@ -145,7 +147,7 @@ def check_grid(model: nn.Module, s: NiahSettings, allow_extrapolation: bool = Fa
     needed = n - ANSWER_BUDGET + s.max_new_tokens - 1
     if two_level:
         with refused_as(s, "lengths", f"{two_level[0]}: {{}}"):
-            check_two_level_room(model, needed, f"{n} (the prompt, then the answer)")
+            check_exact_positions(model, needed, f"{n} (the prompt, then the answer)")
     if {"full", "fold"} & set(s.methods):
         inserted = (
             inserted_positions(s.variant, n - ANSWER_BUDGET, s.chunk_size)

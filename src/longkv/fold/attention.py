@@ -7,9 +7,9 @@ transformers' AttentionInterface.
 duration of a forward: softmax attention under `hooks.mask` (by default causal, bottom-right
 aligned: query i of L sees the keys up to Lk - L + i), computed in at least float32, on keys
 and values rounded to `hooks.store_dtype` if given, with `hooks.bias[layer]` added to the
-logits of every query, `hooks.route[layer]`'s bias to each query head's own and, when
-`hooks.observe > 0`, the probabilities of the last `observe` queries summed over them and over
-the query heads that share each KV head.
+logits of every query and, when `hooks.observe > 0`, the probabilities of the last `observe`
+queries summed over them and over the query heads that share each KV head; or, for a layer with
+`hooks.attend[layer]`, that function's attention (a retrieval cache's, `longkv.caches.routed`).
 """
 
 from __future__ import annotations
@@ -24,8 +24,7 @@ from torch import Tensor, nn
 from transformers import AttentionInterface
 
 NAME = "longkv_bounded"
-RouteResult = tuple[Tensor, Tensor, Tensor]  # keys, values (B, Hkv, Lk, *), bias (B, H, L, Lk)
-Route = Callable[[Tensor, Tensor, Tensor, float], RouteResult]  # (queries, keys, values, scale)
+Attend = Callable[[Tensor, Tensor, Tensor, float], Tensor]  # (queries, keys, values, scale) -> out
 
 
 @dataclass
@@ -33,10 +32,9 @@ class AttentionHooks:
     """What one forward adds to attention and reads back from it.
 
     bias: per layer, None or (B, Hkv, Lk) added to every query's logits on those keys;
-    route: per layer, None or a function of the rotated queries (B, H, L, D), the cached keys
-    (B, Hkv, Lk, D) and values and the logit scale that gives the keys and values to attend
-    instead (B, Hkv, Lk', *; the queries still the last L of them) and a bias (B, H, L, Lk') to
-    each query head (not with `bias`);
+    attend: per layer, None or a function of the rotated queries (B, H, L, D), the cached keys
+    (B, Hkv, Lk, D) and values (the queries' own the last L) and the logit scale that computes
+    the layer's attention itself, (B, H, L, Dv) (not with `bias`);
     observe: how many of the last queries to sum probabilities over (0: none);
     seen: filled per layer with (B, Hkv, Lk) float32 probability mass of the observed queries;
     mask: which keys query i of L sees among Lk (`MASKS`);
@@ -45,7 +43,7 @@ class AttentionHooks:
     """
 
     bias: list[Tensor | None] | None = None
-    route: list[Route | None] | None = None
+    attend: list[Attend | None] | None = None
     observe: int = 0
     seen: dict[int, Tensor] = field(default_factory=dict)
     mask: str = "causal"
@@ -54,10 +52,9 @@ class AttentionHooks:
     def __post_init__(self) -> None:
         if self.mask not in MASKS:
             raise ValueError(f"mask: {self.mask!r} is not one of {list(MASKS)}")
-        if self.bias is not None and self.route is not None:
+        if self.bias is not None and self.attend is not None:
             raise ValueError(
-                "bias: a per-key bias and a route (which changes the keys) exclude "
-                "each other; give one"
+                "bias: a per-key bias and an attention of its own exclude each other; give one"
             )
 
 
@@ -115,10 +112,10 @@ def bounded_attention(
     B, H, L, D = query.shape
     scale = D**-0.5 if scaling is None else scaling
     layer = getattr(module, "layer_idx", 0)
-    route = None if hooks.route is None else hooks.route[layer]
-    routed = None
-    if route is not None:
-        key, value, routed = route(query.to(high), key.to(high), value.to(high), scale)
+    attend = None if hooks.attend is None else hooks.attend[layer]
+    if attend is not None:
+        out = attend(query, key, value, scale)  # (B, H, L, Dv)
+        return out.to(out_dtype).transpose(1, 2).contiguous(), None
     Hkv, Lk = key.shape[1], key.shape[2]
     G = H // Hkv
     q = query.to(high).view(B, Hkv, G, L, D)
@@ -128,8 +125,6 @@ def bounded_attention(
     bias = None if hooks.bias is None else hooks.bias[layer]
     if bias is not None:
         scores = scores + bias.to(high)[:, :, None, None, :]
-    if routed is not None:
-        scores = scores + routed.view(B, Hkv, G, L, Lk)
     probs = scores.softmax(dim=-1)
     if hooks.observe:
         hooks.seen[layer] = probs[..., -hooks.observe :, :].sum(dim=(2, 3)).float()

@@ -1,0 +1,166 @@
+"""Retrieval caches of a frozen model: every token kept exact, at the position the model gave
+it, and each query attending the sinks, the window and the tokens of the units it opens.
+
+`RetrievalRunner` is the cache the retrieval methods share (two-level KVM-Fold,
+`caches.two_level`; Quest, `caches.quest`; InfLLM, `caches.infllm`): the model's cache holds
+the bounded part [sinks | middle | window] (the middle: two-level's slot read-outs, empty for
+the others), the tokens that left the window are leaves of a `LeafStore` per layer, each owned
+by one unit (a slot, a page, a block), and each layer's attention is the method's
+(`attend`, through `longkv.caches.routed`). Unlike the bounded caches, which re-rotate their
+entries into positions inside the budget, it keeps the sinks' and window's keys as the model
+rotated them (`keep_chunk`), so `build_cache` rotates nothing and opening every unit is the
+exact fold; a method that keeps its leaves un-rotated (InfLLM) undoes the rotation in `absorb`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from transformers import DynamicCache
+
+from longkv.attention.rope import angles_at, rotate
+from longkv.caches.bounded import BoundedConfig, BoundedRunner
+from longkv.caches.leaves import LeafStore, make_leaves
+from longkv.fold.attention import Attend, AttentionHooks
+from longkv.fold.fold import check_positions
+
+
+def check_exact_positions(model: nn.Module, tokens: int, what: str) -> None:
+    """Refuse unless the model has positions for `tokens` (`what` takes them): a retrieval
+    cache keeps every token at its own position and never runs past the model's; the refusal
+    points to the caches that place positions inside their budget."""
+    check_positions(
+        model, tokens, what,
+        switch="read it with a cache that places positions inside its budget (streaming, "
+        "snapkv, kvm-fold without --kvm-open / open=0)",
+    )  # fmt: skip
+
+
+class RetrievalRunner(BoundedRunner):
+    """A bounded part [sinks | middle | window] in the model's cache, the leaves in a store per
+    layer, each layer's attention the method's (`attend`); subclasses say whose leaves the
+    tokens leaving the window become (`absorb`, through `keep_leaves`) and how a layer's queries
+    open units (`attend`, which records `last_scores` and `last_opened`)."""
+
+    def __init__(self, model: nn.Module, config: BoundedConfig, **kwargs: bool):
+        super().__init__(model, config, **kwargs)
+        layers = model.config.num_hidden_layers
+        self.leaves: list[LeafStore | None] = [None] * layers
+        # per layer, of the last query of its last forward: its unit scores (B, H, U) and the
+        # units it opened (B, H, U)
+        self.last_scores: list[Tensor | None] = [None] * layers
+        self.last_opened: list[Tensor | None] = [None] * layers
+
+    @property
+    def position(self) -> int:
+        """The next token's position: the exact fold's."""
+        return self.seen
+
+    def unrotated(self, keys: Tensor, first: int) -> Tensor:
+        """keys (B, Hkv, m, D) of the tokens first, first + 1, ... with their rotation undone."""
+        positions = torch.arange(first, first + keys.shape[2], device=keys.device)
+        cos, sin = angles_at(-positions, self.inv_freq)
+        return rotate(keys.double(), cos, sin).to(keys.dtype)
+
+    def keep_leaves(self, layer: int, keys: Tensor, values: Tensor, owner: Tensor) -> LeafStore:
+        """Append keys (B, Hkv, m, D), values owned by units owner (B, Hkv, m) to the layer's
+        store (made on first use, of the config's `leaves` kind); returns it."""
+        store = self.leaves[layer]
+        if store is None:
+            config = self.config
+            kind, folder = getattr(config, "leaves", "exact"), getattr(config, "leaf_dir", None)
+            store = self.leaves[layer] = make_leaves(kind, keys, values, folder)
+        store.append(keys, values, owner)
+        return store
+
+    def attend(self, layer: int) -> Attend:
+        """This layer's attention for the next forward's queries."""
+        raise NotImplementedError
+
+    def remember(self, layer: int, scores: Tensor, opened: Tensor) -> None:
+        """Keep the last query's unit scores (B, H, U) and opened units (B, H, U) bool of this
+        layer's forward (`routed.last_query`)."""
+        self.last_scores[layer], self.last_opened[layer] = scores, opened
+
+    def build_cache(self) -> DynamicCache:
+        """Every layer's bounded part [sinks | middle | window], as rotated."""
+        cache = DynamicCache()
+        if self.seen == 0:
+            return cache
+        for i in range(len(self.sink_k)):
+            mid_k, mid_v = self.middle(i)
+            k = torch.cat([self.sink_k[i], mid_k, self.window_k[i]], dim=2)
+            cache.update(k, torch.cat([self.sink_v[i], mid_v, self.window_v[i]], dim=2), i)
+        return cache
+
+    def keep_chunk(self, cache: DynamicCache, n: int, to_sinks: int) -> None:
+        """The chunk's keys as the model rotated them (cache indices n, n + 1, ...)."""
+        for i, layer in enumerate(cache.layers):
+            self.keep(i, layer.keys[:, :, n:], layer.values[:, :, n:], to_sinks)
+
+    def hooks(self, chunk: int) -> AttentionHooks | None:
+        if self.leaves[0] is None:
+            return None  # nothing has left the window: plain attention
+        return AttentionHooks(attend=[self.attend(i) for i in range(len(self.leaves))])
+
+    def count_attended(self, entries: int, L: int) -> None:
+        """Once tokens have left the window, each layer's attention counts per query head."""
+        if self.leaves[0] is None:
+            super().count_attended(entries, L)
+
+    def needle_route(self, start: int, stop: int) -> dict[str, float]:
+        """How the last query read routed to the tokens start .. stop - 1 (a needle's answer),
+        over layers, rows and query heads: `left`, the share of them that had left the window;
+        of those, `routed`, the share whose unit the head opened, and `slot_rank`, the median
+        rank of their units by the head's score (0: its best; the earlier unit first on ties),
+        both left out where none had left."""
+        ranks: list[Tensor] = []
+        routed: list[Tensor] = []
+        for scores, opened, leaves in zip(
+            self.last_scores, self.last_opened, self.leaves, strict=True
+        ):
+            if scores is None or opened is None or leaves is None:
+                continue
+            sinks = self.sink_k[0].shape[2]  # leaf j is token sinks + j
+            lo, hi = max(start - sinks, 0), min(stop - sinks, len(leaves))
+            if lo >= hi:
+                continue
+            groups = scores.shape[1] // leaves.owner.tensor.shape[1]
+            units = leaves.owner.tensor[:, :, lo:hi, 0].repeat_interleave(groups, dim=1)
+            mine = scores.gather(-1, units).unsqueeze(-1)  # (B, H, n, 1)
+            index = torch.arange(scores.shape[-1], device=scores.device)
+            ahead = (scores.unsqueeze(2) > mine) | (
+                (scores.unsqueeze(2) == mine) & (index < units.unsqueeze(-1))
+            )  # (B, H, n, U): the units ranked before each token's
+            ranks.append(ahead.sum(-1).flatten())
+            routed.append(opened.gather(-1, units).flatten())
+        if not ranks:
+            return {"left": 0.0}
+        rank = torch.cat(ranks)
+        scores = next(x for x in self.last_scores if x is not None)
+        total = (stop - start) * scores.shape[0] * scores.shape[1] * len(self.leaves)
+        return {
+            "left": rank.numel() / total,
+            "routed": float(torch.cat(routed).double().mean()),
+            "slot_rank": float(rank.double().median()),
+        }
+
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes held now, over layers: the bounded part, the leaves in memory (with their
+        owners) and the leaves in a file."""
+        stores = [x for x in self.leaves if x is not None]
+        return {
+            **super().resident_bytes(),
+            "leaves": sum(x.nbytes for x in stores),
+            "leaves_file": sum(x.file_bytes for x in stores),
+        }
+
+    def check_room(self, tokens: int) -> None:
+        """Every token keeps its position: refuse unless the model has positions for the
+        tokens read so far and `tokens` more (`check_exact_positions`)."""
+        check_exact_positions(self.model, self.seen + tokens, "the input read so far and to come")
+
+    def forward(self, ids: Tensor) -> Tensor:
+        """Logits (B, L, V) of ids (B, L) at the next positions, after making room."""
+        self.check_room(ids.shape[1])
+        return super().forward(ids)

@@ -1,0 +1,143 @@
+"""Retrieval attention: the tokens that left the window, exact, grouped in units (two-level
+KVM-Fold's slots, InfLLM's blocks, Quest's pages), and each query attending the tokens of the
+units it opens.
+
+Per layer and KV head the model's cache holds a bounded part [sinks | read-outs | window], the
+chunk being read after it; the tokens that left the window are leaves of a `LeafStore`, each
+owned by one of U units. A query attends in one softmax the sinks, the window (causally within
+the chunk), the leaves of the units it opens and, where the method keeps one read-out per unit
+(two-level KVM-Fold), the read-outs of the units it leaves closed, each weighted as its count
+of tokens (logit + log count). An opened unit's read-out is left out: its leaves stand for it.
+
+Who opens what is a mask `opened` (B, Hkv, R, U):
+- per token (R = G * L, the rows of the queries grouped by KV head, (G, L) heads first): each
+  query head and query opens its k best units by a score (`top_units`);
+- per block (R = 1): every query head and query of a forward opens the same units, the union of
+  their k best, bounded by a budget of leaves (`block_units`).
+`routed_attention` gathers the opened units' leaves and attends through torch's fused kernel
+(`attend_key_sets`): [sinks | read-outs | leaves | window before the chunk] with an additive
+bias per row as one key set, the chunk causally as another, merged by their log-sum-exp; it
+never forms a logit for a leaf of a unit no row opened. `naive.routed_attention_naive` writes
+the same out per query and head.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from longkv.attention.core import KeySet, attend_key_sets
+from longkv.caches.leaves import Gathered
+
+# who opens units in a prefill chunk: its queries together (block) or each on its own (token)
+ROUTINGS = ("block", "token")
+
+
+def top_units(rank: Tensor, k: int) -> Tensor:
+    """(..., U) bool: the k highest of the scores rank (..., U) (all of them if k >= U), the
+    earlier unit on ties."""
+    k = min(k, rank.shape[-1])
+    if k == 0:
+        return torch.zeros_like(rank, dtype=torch.bool)
+    kth = rank.topk(k, dim=-1).values[..., -1:]  # each row's k-th highest score
+    above, tied = rank > kth, rank == kth
+    room = k - above.sum(-1, keepdim=True)  # how many of the tied units still open
+    return above | (tied & (tied.cumsum(-1) <= room))  # the earlier tied units first
+
+
+def block_units(rank: Tensor, k: int, count: Tensor, leaf_budget: int | None) -> Tensor:
+    """(B, Hkv, 1, U) bool: the units a block of rows opens together. rank (B, Hkv, R, U): each
+    row's scores; count (B, Hkv, U): each unit's leaves.
+
+    The union of the rows' k best units (`top_units`), ranked by the largest share any row that
+    chose a unit gives it in its softmax over the scores (the earlier unit on equal shares) and
+    taken in that order while their leaves fit leaf_budget (None: the whole union), so a unit
+    opens only if it and every unit ranked before it fit."""
+    wanted = top_units(rank, k)
+    union = wanted.any(2)  # (B, Hkv, U)
+    if leaf_budget is None:
+        return union.unsqueeze(2)
+    share = torch.softmax(rank, dim=-1).masked_fill(~wanted, 0.0).amax(2)  # (B, Hkv, U)
+    order = share.masked_fill(~union, -1.0).argsort(dim=-1, descending=True, stable=True)
+    fits = (count.gather(-1, order).cumsum(-1) <= leaf_budget) & union.gather(-1, order)
+    return torch.zeros_like(union).scatter(-1, order, fits).unsqueeze(2)
+
+
+def grouped(q: Tensor, Hkv: int) -> Tensor:
+    """q (B, H, L, D) as (B, Hkv, G * L, D): the rows of each KV head's G query heads."""
+    B, H, L, D = q.shape
+    return q.reshape(B, Hkv, H // Hkv * L, D)
+
+
+def last_query(rows: Tensor, G: int, L: int) -> Tensor:
+    """(B, Hkv * G, U): each query head's row of the last query, from rows (B, Hkv, R, U) with
+    R = G * L (heads first) or 1 (one row for every query head and query)."""
+    B, Hkv, R, U = rows.shape
+    last = rows.expand(B, Hkv, G, U) if R == 1 else rows.unflatten(2, (G, L))[:, :, :, -1]
+    return last.reshape(B, Hkv * G, U)
+
+
+def routed_bias(
+    opened: Tensor, count: Tensor | None, got: Gathered, sinks: int, window: int
+) -> Tensor | None:  # fmt: skip
+    """The additive bias (B, Hkv, R, sinks + S + n + window) over [sinks | read-outs | gathered
+    leaves | window before the chunk]: 0 on the sinks, the window and the leaves of the units
+    a row opened; log count on the read-out of a unit it left closed; -inf on an opened unit's
+    read-out, on the leaves of units it left closed and on padding. count (B, Hkv, U): the
+    read-outs' counts (S = U), None without read-outs (S = 0). None where every entry is 0."""
+    B, Hkv, R, _ = opened.shape
+    n = got.owner.shape[-1]
+    seen = opened.gather(-1, got.owner.unsqueeze(2).expand(B, Hkv, R, n))  # (B, Hkv, R, n)
+    if got.valid is not None:
+        seen = seen & got.valid.unsqueeze(2)
+    if count is None and bool(seen.all()):
+        return None
+    dtype = got.keys.dtype
+    parts = [opened.new_zeros(B, Hkv, R, sinks, dtype=dtype)]
+    if count is not None:
+        parts.append(count.to(dtype).log().unsqueeze(2).masked_fill(opened, float("-inf")))
+    parts.append(torch.zeros_like(seen, dtype=dtype).masked_fill(~seen, float("-inf")))
+    parts.append(opened.new_zeros(B, Hkv, R, window, dtype=dtype))
+    return torch.cat(parts, dim=-1)
+
+
+def routed_attention(
+    q: Tensor, keys: Tensor, values: Tensor, sinks: int, count: Tensor | None,
+    opened: Tensor, got: Gathered, scale: float,
+) -> Tensor:  # fmt: skip
+    """Attention of q (B, H, L, D) over the model's cache keys (B, Hkv, N, D), values (B, Hkv,
+    N, Dv) = [sinks | S read-outs | window | the L queries' own tokens] and the leaves `got` of
+    the units opened (B, Hkv, R, U) opens (R = 1 or G * L, module docstring), in one softmax.
+    count (B, Hkv, U): each unit's tokens, its read-out's weight (S = U); None: no read-outs
+    (S = 0). Returns (B, H, L, Dv) in q's dtype (computed in at least float32)."""
+    B, H, L, D = q.shape
+    Hkv, N = keys.shape[1], keys.shape[2]
+    high = torch.promote_types(q.dtype, torch.float32)
+    keys, values = keys.to(high), values.to(high)
+    qg = (q.to(high) * scale).view(B, Hkv, H // Hkv, L, D)
+    cut = sinks + (0 if count is None else count.shape[-1])  # the leaves go after the read-outs
+    got = Gathered(got.keys.to(high), got.values.to(high), got.owner, got.valid)
+    bias = routed_bias(opened, count, got, sinks, N - L - cut)
+    if bias is not None and bias.shape[2] == 1:  # one row for all: the kernel broadcasts it
+        bias = bias[:, :, 0]
+    sets = [KeySet(qg, keys[:, :, N - L :], values[:, :, N - L :], causal=True)]  # the chunk
+    if N - L + got.keys.shape[2]:  # what came before it
+        k = torch.cat([keys[:, :, :cut], got.keys, keys[:, :, cut : N - L]], dim=2)
+        v = torch.cat([values[:, :, :cut], got.values, values[:, :, cut : N - L]], dim=2)
+        sets.insert(0, KeySet(qg, k, v, bias=bias))
+    return attend_key_sets(sets).reshape(B, H, L, -1).to(q.dtype)
+
+
+def attended_entries(
+    opened: Tensor, count: Tensor, sinks: int, window: int, L: int, readouts: bool
+) -> Tensor:  # fmt: skip
+    """(B, Hkv, R', L) float: how many entries each query attends under `routed_attention`
+    (R' = 1 for a block's shared units, G for a query head's own): the sinks, the read-outs of
+    the units left closed (with readouts), the leaves of the opened units (count (B, Hkv, U) of
+    them each) and the window before the chunk, plus the chunk up to the query."""
+    B, Hkv, R, U = opened.shape
+    rows = opened.view(B, Hkv, -1, L if R > 1 else 1, U).to(count.dtype)
+    leaves = (rows @ count.unsqueeze(2).unsqueeze(-1))[..., 0]  # (B, Hkv, R', L or 1)
+    closed = U - rows.sum(-1) if readouts else torch.zeros_like(leaves)
+    causal = torch.arange(1, L + 1, device=opened.device, dtype=count.dtype)
+    return sinks + window + closed + leaves + causal

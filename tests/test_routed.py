@@ -1,0 +1,218 @@
+"""Retrieval attention over units of exact tokens (`longkv.caches.routed`): per-token and
+per-block routing and the fused attention against the per-query reference in float64, its two
+ends (every unit opened: the exact softmax; none: the read-outs with the count bias), and the
+block's opened units against the per-row reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+
+from conftest import TOL
+from longkv.caches.leaves import Gathered, make_leaves
+from longkv.caches.naive import block_units_naive, routed_attention_naive, top_units_naive
+from longkv.caches.routed import (
+    attended_entries,
+    block_units,
+    grouped,
+    routed_attention,
+    top_units,
+)
+
+B, H, HKV, T, D, DV = 2, 4, 2, 3, 6, 5
+G = H // HKV
+SINKS, UNITS, LEAVES, WINDOW = 2, 5, 14, 4
+SCALE = D**-0.5
+Entries = dict[str, tuple[Tensor, Tensor]]
+
+
+def case(seed: int) -> tuple[Tensor, Entries, Tensor, Tensor]:
+    """Random queries and entries in float64; every unit owns at least one leaf, and its count
+    is the number of leaves it owns (as a state's slots count their tokens)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> Tensor:
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    q = rand(B, H, T, D)
+    sizes = {"sinks": SINKS, "slots": UNITS, "leaves": LEAVES, "window": WINDOW, "chunk": T}
+    entries = {name: (rand(B, HKV, n, D), rand(B, HKV, n, DV)) for name, n in sizes.items()}
+    owner = torch.randint(0, UNITS, (B, HKV, LEAVES), generator=g)
+    owner[..., :UNITS] = torch.arange(UNITS)  # no unit without a leaf
+    count = torch.zeros(B, HKV, UNITS, dtype=torch.float64).scatter_add(
+        -1, owner, torch.ones(B, HKV, LEAVES, dtype=torch.float64)
+    )
+    return q, entries, count, owner
+
+
+def rank_of(q: Tensor, entries: Entries, count: Tensor) -> Tensor:
+    """(B, Hkv, G * T, U): each row's score of the units, logit + log count."""
+    slot_k = entries["slots"][0]
+    return SCALE * (grouped(q, HKV) @ slot_k.transpose(-1, -2)) + count.log().unsqueeze(2)
+
+
+def fast(
+    q: Tensor, entries: Entries, count: Tensor | None, owner: Tensor, opened: Tensor
+) -> Tensor:  # fmt: skip
+    """routed_attention over the model's cache [sinks | read-outs | window | chunk] and the
+    leaves of the opened units, gathered from a leaf store."""
+    order = (
+        ("sinks", "slots", "window", "chunk") if count is not None else ("sinks", "window", "chunk")
+    )
+    keys = torch.cat([entries[n][0] for n in order], dim=2)
+    values = torch.cat([entries[n][1] for n in order], dim=2)
+    leaf_k, leaf_v = entries["leaves"]
+    store = make_leaves("exact", leaf_k, leaf_v)
+    store.append(leaf_k, leaf_v, owner)
+    got = store.gather(opened.any(2), torch.float64)
+    return routed_attention(q, keys, values, SINKS, count, opened, got, SCALE)
+
+
+def per_head(opened: Tensor) -> Tensor:
+    """(B, Hkv, R, U) as (B, H, T, U): each query head's and query's opened units."""
+    if opened.shape[2] == 1:
+        return opened.repeat_interleave(G, dim=1).expand(B, H, T, -1)
+    return opened.reshape(B, H, T, -1)
+
+
+@pytest.mark.parametrize("k", [0, 1, 2, UNITS, UNITS + 3])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_each_rows_own_units_attend_as_the_per_query_reference(k: int, seed: int) -> None:
+    q, entries, count, owner = case(seed)
+    opened = top_units(rank_of(q, entries, count), k)
+    assert opened.shape == (B, HKV, G * T, UNITS)
+    want = routed_attention_naive(q, entries, count, owner, per_head(opened), SCALE)
+    torch.testing.assert_close(fast(q, entries, count, owner, opened), want, rtol=0, atol=TOL)
+
+
+@pytest.mark.parametrize("budget", [None, 1, 6, 9])
+@pytest.mark.parametrize("seed", [2, 3])
+def test_a_blocks_shared_units_attend_as_the_per_query_reference(
+    budget: int | None, seed: int
+) -> None:
+    q, entries, count, owner = case(seed)
+    opened = block_units(rank_of(q, entries, count), 2, count, budget)
+    assert opened.shape == (B, HKV, 1, UNITS)
+    want = routed_attention_naive(q, entries, count, owner, per_head(opened), SCALE)
+    torch.testing.assert_close(fast(q, entries, count, owner, opened), want, rtol=0, atol=TOL)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_without_read_outs_a_query_sees_only_its_units_leaves(k: int) -> None:
+    q, entries, count, owner = case(4)
+    opened = top_units(rank_of(q, entries, count), k)
+    want = routed_attention_naive(q, entries, None, owner, per_head(opened), SCALE)
+    torch.testing.assert_close(fast(q, entries, None, owner, opened), want, rtol=0, atol=TOL)
+
+
+def softmax_over(
+    q: Tensor, parts: list[tuple[Tensor, Tensor]], bias: Tensor | None = None
+) -> Tensor:
+    """Plain causal softmax attention of q over the concatenated parts (keys, values (B, Hkv,
+    n, *)), the last T keys the queries' own; bias (B, Hkv, n) added per key."""
+    keys = torch.cat([k for k, _ in parts], dim=2).repeat_interleave(G, dim=1)
+    values = torch.cat([v for _, v in parts], dim=2).repeat_interleave(G, dim=1)
+    logits = SCALE * (q @ keys.transpose(-1, -2))
+    if bias is not None:
+        logits = logits + bias.repeat_interleave(G, dim=1).unsqueeze(2)
+    n = keys.shape[2]
+    future = torch.ones(T, T, dtype=torch.bool).triu(1)
+    logits[..., n - T :] = logits[..., n - T :].masked_fill(future, float("-inf"))
+    return torch.softmax(logits, dim=-1) @ values
+
+
+def test_opening_every_unit_is_softmax_over_sinks_leaves_and_window() -> None:
+    q, entries, count, owner = case(5)
+    exact = softmax_over(q, [entries[n] for n in ("sinks", "leaves", "window", "chunk")])
+    every = torch.ones(B, HKV, 1, UNITS, dtype=torch.bool)
+    torch.testing.assert_close(fast(q, entries, count, owner, every), exact, rtol=0, atol=TOL)
+
+
+def test_opening_no_unit_is_the_read_outs_with_the_count_bias() -> None:
+    q, entries, count, owner = case(6)
+    parts = [entries[n] for n in ("sinks", "slots", "window", "chunk")]
+    zeros = count.new_zeros
+    bias = torch.cat([zeros(B, HKV, SINKS), count.log(), zeros(B, HKV, WINDOW + T)], dim=-1)
+    coarse = softmax_over(q, parts, bias)
+    none = torch.zeros(B, HKV, G * T, UNITS, dtype=torch.bool)
+    torch.testing.assert_close(fast(q, entries, count, owner, none), coarse, rtol=0, atol=TOL)
+
+
+def test_block_routing_equals_token_routing_where_every_row_opens_the_same_units() -> None:
+    """Every row ranks the units alike (queries of one direction against read-outs whose
+    logits are ordered the same for all of them): the block opens exactly each row's own."""
+    q, entries, count, owner = case(7)
+    q = q[..., :1].abs() + 1.0  # every query head and query points along (1, ..., 1) ...
+    q = q.expand(B, H, T, D).contiguous()
+    slot_k = torch.arange(UNITS, dtype=torch.float64).view(1, 1, UNITS, 1).expand(B, HKV, UNITS, D)
+    entries["slots"] = (3 * slot_k.contiguous(), entries["slots"][1])  # ... and ranks them alike
+    rank = rank_of(q, entries, count)
+    token = top_units(rank, 2)
+    block = block_units(rank, 2, count, None)
+    assert torch.equal(token, block.expand_as(token))
+    got = fast(q, entries, count, owner, block)
+    torch.testing.assert_close(got, fast(q, entries, count, owner, token), rtol=0, atol=TOL)
+
+
+def test_each_row_opens_its_top_units_the_earlier_on_ties() -> None:
+    rank = torch.tensor([[2.0, 0.0, 0.0, 1.5], [0.0, 1.0, 1.0, 0.5]])
+    assert top_units(rank, 2).tolist() == [[True, False, False, True], [False, True, True, False]]
+    assert top_units(rank, 1)[1].tolist() == [False, True, False, False]  # 1 and 2 tie: the earlier
+    assert top_units(rank, 9).all() and not top_units(rank, 0).any()
+    for row in rank:
+        for k in range(5):
+            assert top_units(row, k).nonzero().flatten().tolist() == sorted(top_units_naive(row, k))
+
+
+@pytest.mark.parametrize("budget", [None, 0, 3, 7, 100])
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_a_block_opens_the_union_of_its_rows_best_by_share_within_the_leaf_budget(
+    budget: int | None, k: int
+) -> None:
+    g = torch.Generator().manual_seed(8)
+    rank = torch.randn(B, HKV, 6, 9, generator=g, dtype=torch.float64)
+    rank[0, 0, :, 3] = rank[0, 0, :, 5]  # equal shares: the earlier unit first
+    count = torch.randint(1, 5, (B, HKV, 9), generator=g).double()
+    got = block_units(rank, k, count, budget)
+    assert torch.equal(got, block_units_naive(rank, k, count, budget))
+    union = top_units(rank, k).any(2, keepdim=True)
+    assert not (got & ~union).any()  # only units some row chose
+    if budget is None:
+        assert torch.equal(got, union)
+    else:
+        assert ((got[:, :, 0] * count).sum(-1) <= budget).all()
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_the_attended_entries_are_the_finite_entries_each_query_sees(shared: bool) -> None:
+    q, entries, count, owner = case(9)
+    rank = rank_of(q, entries, count)
+    opened = block_units(rank, 2, count, 6) if shared else top_units(rank, 2)
+    got = attended_entries(opened, count, SINKS, WINDOW, T, readouts=True)
+    want = torch.zeros(B, H, T, dtype=torch.float64)
+    for b in range(B):
+        for h in range(H):
+            for t in range(T):
+                units = per_head(opened)[b, h, t]
+                leaves = int(units[owner[b, h // G]].sum())
+                want[b, h, t] = SINKS + int((~units).sum()) + leaves + WINDOW + t + 1
+    if shared:
+        assert got.shape == (B, HKV, 1, T)
+        want = want[:, ::G]
+    torch.testing.assert_close(got.reshape(want.shape), want, rtol=0, atol=0)
+
+
+def test_a_gather_pads_a_kv_head_with_fewer_leaves_and_the_padding_is_never_attended() -> None:
+    q, entries, count, owner = case(10)
+    opened = torch.zeros(B, HKV, 1, UNITS, dtype=torch.bool)
+    opened[0, 0, 0, :3] = True  # KV head 0 of row 0 opens three units, every other one
+    opened[:, :, 0, 4] = True
+    got = fast(q, entries, count, owner, opened)
+    want = routed_attention_naive(q, entries, count, owner, per_head(opened), SCALE)
+    torch.testing.assert_close(got, want, rtol=0, atol=TOL)
+    leaf_k, leaf_v = entries["leaves"]
+    store = make_leaves("exact", leaf_k, leaf_v)
+    store.append(leaf_k, leaf_v, owner)
+    gathered: Gathered = store.gather(opened.any(2), torch.float64)
+    assert gathered.valid is not None and not bool(gathered.valid.all())
