@@ -151,6 +151,12 @@ def attend_key_sets(sets: list[KeySet]) -> Tensor:
     never materialises the logits, and the sets are merged by their log-sum-exp; otherwise
     (gradients, other devices) the logits are computed, concatenated and softmaxed.
     """
+    return attend_key_sets_lse(sets)[0]
+
+
+def attend_key_sets_lse(sets: list[KeySet]) -> tuple[Tensor, Tensor]:
+    """`attend_key_sets` and the log-sum-exp of each query head's logits over all the sets,
+    (B, Hkv, G * Lq) (float32 for 16-bit inputs): a key's probability is exp(its logit - it)."""
     first = sets[0].q
     if not _fused(sets):
         return _attend_concatenated(sets)
@@ -158,7 +164,7 @@ def attend_key_sets(sets: list[KeySet]) -> Tensor:
     Dv = sets[0].v.shape[-1]
     D = max(Dk, Dv)  # the kernel takes one head size: zero channels change no logit or value
     out, lse = None, None
-    for i, s in enumerate(sets):
+    for s in sets:
         q = _widen(s.q.reshape(B, Hkv, G * Lq, Dk), D)  # the G heads of a group share the keys
         causal = s.causal and Lq > 1  # a single query sees every key of its set
         mask = _causal_tail(Lq, s.k.shape[2], G, q.dtype, q.device) if causal else None
@@ -171,9 +177,9 @@ def attend_key_sets(sets: list[KeySet]) -> Tensor:
         else:  # softmax over both sets: each part weighted by its share of exp(lse)
             share = torch.sigmoid(m - lse).unsqueeze(-1)  # lse is float32 for 16-bit inputs
             out = torch.lerp(out, o, share if share.dtype == o.dtype else share.to(o.dtype))
-            lse = torch.logaddexp(lse, m) if i + 1 < len(sets) else lse
-    assert out is not None
-    return (out if D == Dv else out[..., :Dv]).reshape(B, Hkv, G, Lq, Dv)
+            lse = torch.logaddexp(lse, m)
+    assert out is not None and lse is not None
+    return (out if D == Dv else out[..., :Dv]).reshape(B, Hkv, G, Lq, Dv), lse
 
 
 def _widen(t: Tensor, D: int) -> Tensor:
@@ -199,7 +205,7 @@ def _causal_tail(Lq: int, Lk: int, G: int, dtype: torch.dtype, device: torch.dev
         return mask.view(G * Lq, Lk)
 
 
-def _attend_concatenated(sets: list[KeySet]) -> Tensor:
+def _attend_concatenated(sets: list[KeySet]) -> tuple[Tensor, Tensor]:
     B, Hkv, G, Lq, _ = sets[0].q.shape
     logits = []
     for s in sets:
@@ -210,8 +216,8 @@ def _attend_concatenated(sets: list[KeySet]) -> Tensor:
         if s.causal:
             part[..., part.shape[-1] - Lq :].masked_fill_(hidden_future(Lq, part.device), -math.inf)
         logits.append(part)
-    probs = torch.softmax(torch.cat(logits, dim=-1) if len(logits) > 1 else logits[0], dim=-1)
-    probs = probs.view(B, Hkv, G * Lq, -1)
+    every = torch.cat(logits, dim=-1) if len(logits) > 1 else logits[0]
+    probs = torch.softmax(every, dim=-1).view(B, Hkv, G * Lq, -1)
     out, at = None, 0
     for s in sets:
         n = s.k.shape[2]
@@ -219,7 +225,7 @@ def _attend_concatenated(sets: list[KeySet]) -> Tensor:
         out = o if out is None else out + o
         at += n
     assert out is not None
-    return out.view(B, Hkv, G, Lq, -1)
+    return out.view(B, Hkv, G, Lq, -1), every.logsumexp(-1).reshape(B, Hkv, G * Lq)
 
 
 def attend(logits: Tensor, v: Tensor, hide: Tensor | None = None) -> Tensor:

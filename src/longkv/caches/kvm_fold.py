@@ -33,7 +33,7 @@ from longkv.checks import refused_as, require, require_at_least, setting
 from longkv.fold.attention import AttentionHooks
 from longkv.kvm.config import BudgetRule, desired_state_len
 
-STATES = ("fixed", "sqrt", "saturation")
+STATES = ("fixed", "sqrt", "saturation", "lod")
 SLOT_KEYS = ("rotated", "centred")
 
 
@@ -44,12 +44,15 @@ class KVMFoldConfig(BoundedConfig):
     state: str = setting(
         "fixed",
         "slots the state may hold: fixed (all of the middle from the start), sqrt "
-        "(growth_factor * sqrt(tokens read)) or saturation (n * tokens / (n + tokens)), each "
-        "capped at the middle",
+        "(growth_factor * sqrt(tokens read)), saturation (n * tokens / (n + tokens)) or lod "
+        "(max(lod_factor * sqrt(tokens read), lod_floor), the rule of the KVM authors' LOD "
+        "attention), each capped at the middle",
         choices=STATES,
     )
     growth_factor: float = setting(4.0, "sqrt: slots per sqrt(token read)")
     saturation_n: int = setting(1024, "saturation: the n of n * tokens / (n + tokens)")
+    lod_factor: float = setting(16.0, "lod: slots per sqrt(token read) (LOD: 16)")
+    lod_floor: int = setting(256, "lod: the fewest slots the state may hold (LOD: 256)")
     readout: str = setting(
         "mean",
         "how a slot is read: mean (the mean key and value of its tokens) or founder (their unit "
@@ -112,6 +115,7 @@ class KVMFoldConfig(BoundedConfig):
             "merge_threshold",
             f"a cosine similarity lies in [-1, 1], got {self.merge_threshold!r}",
         )
+        require_at_least(1, self, "lod_floor")
         with refused_as(self):  # growth_factor and saturation_n are checked by the rule
             self.budget_rule  # noqa: B018
         require_at_least(0, self, "open")
@@ -143,6 +147,7 @@ class KVMFoldConfig(BoundedConfig):
             "fixed": "fixed",
             "sqrt": f"sqrt, {self.growth_factor:g} per sqrt(token)",
             "saturation": f"saturation n={self.saturation_n}",
+            "lod": f"lod, max({self.lod_factor:g} sqrt(tokens), {self.lod_floor})",
         }[self.state]
         options = [f"{self.readout} read-out"]
         if self.count_bias:
@@ -151,6 +156,9 @@ class KVMFoldConfig(BoundedConfig):
             options.append(f"merges above cosine {self.merge_threshold:g}")
         if self.open:
             options.append(f"each query head opens {self.open} to their {self.leaves} tokens")
+            if self.routing == "block":
+                bound = "" if self.leaf_budget is None else f" within {self.leaf_budget} leaves"
+                options.append(f"a prefill chunk's queries together{bound}")
         return (
             f"{self.sinks} sinks + up to {self.middle_len} slots ({growth}; "
             f"{', '.join(options)}) + {self.window_len} recent"
@@ -161,10 +169,11 @@ class KVMFoldConfig(BoundedConfig):
         """The state budget (`desired_state_len`, with the tokens read as the context): `state`
         as a rule of spec section 6 (sqrt is its power law of exponent 0.5), capped at the
         middle."""
-        fixed = self.state == "fixed"
+        fixed, lod = self.state == "fixed", self.state == "lod"
+        floor = self.middle_len if fixed else self.lod_floor if lod else 1
         return BudgetRule(
-            budget="power_law" if self.state == "sqrt" else self.state,  # type: ignore[arg-type]
-            state_min_len=self.middle_len if fixed else 1, growth_factor=self.growth_factor,
+            budget="power_law" if self.state in ("sqrt", "lod") else self.state,  # type: ignore[arg-type]
+            state_min_len=floor, growth_factor=self.lod_factor if lod else self.growth_factor,
             saturation_n=self.saturation_n, cap=self.middle_len,
         )  # fmt: skip
 

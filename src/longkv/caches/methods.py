@@ -6,7 +6,10 @@
 `streaming@1024`, `snapkv@1024`, `kvm-fold/sqrt@1024`, or for two-level KVM-Fold (each of
 `kvm_open` slots opened per query head) `kvm-fold/sqrt/open8@1024`, with its leaf store and
 slot key named unless the defaults (`kvm-fold/sqrt/open8/int8/centred@1024`); the leaves are
-outside the budget.
+outside the budget. `quest` (pages of the tokens that left the window, each query head opening
+the best by their key bounds) and `infllm` (blocks of them, retrieved by representative keys)
+run once per budget, `quest@1024`, `infllm@1024`, their sinks and window those of kvm-fold at
+the same budget and their pages and blocks outside it.
 """
 
 from __future__ import annotations
@@ -25,8 +28,11 @@ from longkv.caches.bounded import (
     check_budget,
 )
 from longkv.caches.eviction import SnapKVConfig, SnapKVRunner
+from longkv.caches.infllm import InfLLMConfig, InfLLMRunner
 from longkv.caches.kvm_fold import STATES, KVMFoldConfig, KVMFoldRunner
 from longkv.caches.leaves import LEAF_STORES
+from longkv.caches.quest import QuestConfig, QuestRunner
+from longkv.caches.routed import ROUTINGS
 from longkv.caches.streaming import StreamingRunner
 from longkv.caches.two_level import TwoLevelRunner
 from longkv.checks import mirror, refused_as, require, require_at_least, setting
@@ -34,7 +40,7 @@ from longkv.decoding import Pick, greedy
 from longkv.fold.fold import FoldResult
 from longkv.fold.generate import fold_generate
 
-BOUNDED = ("streaming", "snapkv", "kvm-fold")
+BOUNDED = ("streaming", "snapkv", "kvm-fold", "quest", "infllm")
 # how a frozen model holds a long input's keys and values
 CACHE_METHODS = ("full", "fold", *BOUNDED)
 
@@ -45,15 +51,16 @@ class BoundedOptions:
 
     budgets: tuple[int, ...] = setting(
         (1024,),
-        "entries per layer and KV head of the bounded methods (streaming, snapkv, kvm-fold), "
-        "each run once per budget",
+        "entries per layer and KV head of the bounded methods (streaming, snapkv, kvm-fold, "
+        "quest, infllm; the leaves of two-level kvm-fold, quest and infllm outside it), each "
+        "run once per budget",
         feeds=(BoundedConfig, "budget"),
     )
     sinks: int = setting(4, "first tokens the bounded methods keep", feeds=(BoundedConfig, "sinks"))
     window: int | None = setting(
         None,
-        "recent tokens snapkv and kvm-fold keep exactly, the chunk included (default: half the "
-        "budget); streaming keeps budget - sinks",
+        "recent tokens snapkv, kvm-fold, quest and infllm keep exactly, the chunk included "
+        "(default: half the budget); streaming keeps budget - sinks",
         feeds=(BoundedConfig, "window"),
     )
     stream_chunk: int = setting(64, "chunk of the bounded methods (1 = token by token)")
@@ -83,6 +90,27 @@ class BoundedOptions:
     )
     kvm_slot_key: str = mirror(KVMFoldConfig, "slot_key", "kvm-fold: ")
     kvm_leaf_dir: str | None = mirror(KVMFoldConfig, "leaf_dir", "kvm-fold: ")
+    kvm_lod_factor: float = mirror(KVMFoldConfig, "lod_factor", "kvm-fold ")
+    kvm_lod_floor: int = mirror(KVMFoldConfig, "lod_floor", "kvm-fold ")
+    routing: str = setting(
+        "block",
+        "retrieval methods (two-level kvm-fold, quest): who opens units in a prefill chunk: "
+        "block (its queries together, the union of each query head's best, within "
+        "--leaf-budget) or token (each query head and query its own); a decoded token's query "
+        "heads open their own either way",
+        choices=ROUTINGS,
+    )
+    leaf_budget: int = setting(
+        1024,
+        "retrieval methods, block routing: the most leaves per KV head a prefill chunk's "
+        "queries open together (0: no bound, the whole union)",
+    )
+    quest_page: int = mirror(QuestConfig, "page", "quest: ")
+    quest_open: int = mirror(QuestConfig, "open", "quest: ")
+    quest_dense_layers: int = mirror(QuestConfig, "dense_layers", "quest: ")
+    infllm_block: int = mirror(InfLLMConfig, "block", "infllm: ")
+    infllm_representatives: int = mirror(InfLLMConfig, "representatives", "infllm: ")
+    infllm_open: int = mirror(InfLLMConfig, "open", "infllm: ")
     only: tuple[str, ...] = setting(
         (),
         "run only these of the runs the other options make, by label (full, streaming@1024, "
@@ -93,7 +121,7 @@ class BoundedOptions:
         """The config of every bounded run of `methods`, by label; a bad option is refused,
         also where a config refuses the value the option feeds it."""
         require_at_least(1, self, "budgets", "stream_chunk")
-        require_at_least(0, self, "sinks")
+        require_at_least(0, self, "sinks", "leaf_budget")
         require(
             self.window is None or self.window >= 1,
             self,
@@ -115,6 +143,17 @@ class BoundedOptions:
                 configs[f"snapkv@{budget}"] = SnapKVConfig(
                     budget=budget, sinks=self.sinks, window=self.window
                 )
+            if "quest" in methods:
+                configs[f"quest@{budget}"] = QuestConfig(
+                    budget=budget, sinks=self.sinks, window=self.window, page=self.quest_page,
+                    open=self.quest_open, routing=self.routing,
+                    leaf_budget=self.leaf_budget or None, dense_layers=self.quest_dense_layers,
+                )  # fmt: skip
+            if "infllm" in methods:
+                configs[f"infllm@{budget}"] = InfLLMConfig(
+                    budget=budget, sinks=self.sinks, window=self.window, block=self.infllm_block,
+                    representatives=self.infllm_representatives, open=self.infllm_open,
+                )  # fmt: skip
             for state in self.kvm_states if "kvm-fold" in methods else ():
                 for k in self.kvm_open:
                     for leaves in self.kvm_leaves if k else ("exact",):  # coarse: no leaves
@@ -124,7 +163,9 @@ class BoundedOptions:
                             growth_factor=self.kvm_growth_factor, readout=self.kvm_readout,
                             count_bias=self.kvm_count_bias,
                             merge_threshold=self.kvm_merge_threshold, open=k, leaves=leaves,
-                            leaf_dir=self.kvm_leaf_dir,
+                            leaf_dir=self.kvm_leaf_dir, lod_factor=self.kvm_lod_factor,
+                            lod_floor=self.kvm_lod_floor, routing=self.routing,
+                            leaf_budget=self.leaf_budget or None,
                             slot_key=self.kvm_slot_key if k else "rotated",  # coarse: not read
                         )  # fmt: skip
         known = [m for m in methods if m not in BOUNDED] + list(configs)
@@ -190,6 +231,13 @@ def method_of(label: str) -> str:
     return split_label(label)[0].split("/")[0]
 
 
+def reader_of(label: str) -> str:
+    """Whose options a run reads: "two-level" for a kvm-fold run that opens slots
+    ("kvm-fold/fixed/open8@1024"), else its method (`method_of`)."""
+    method = method_of(label)
+    return "two-level" if method == "kvm-fold" and "/open" in label else method
+
+
 def make_runner(model: nn.Module, config: BoundedConfig, track: bool = False) -> BoundedRunner:
     """A fresh runner of a bounded config (its class says which method); track: a KVM-Fold
     runner keeps where each leaving token went."""
@@ -198,6 +246,10 @@ def make_runner(model: nn.Module, config: BoundedConfig, track: bool = False) ->
         return runner(model, config, track)
     if isinstance(config, SnapKVConfig):
         return SnapKVRunner(model, config)
+    if isinstance(config, QuestConfig):
+        return QuestRunner(model, config)
+    if isinstance(config, InfLLMConfig):
+        return InfLLMRunner(model, config)
     return StreamingRunner(model, config.sinks, config.window_len)
 
 

@@ -160,3 +160,73 @@ def routed_attention_naive(
                 out[b, h, t] = sum(w * v for w, (_, v) in zip(weights, seen, strict=True)) / total
     return out
 
+
+def page_scores_naive(q: Tensor, leaf_k: Tensor, page: int, scale: float) -> Tensor:
+    """Quest's page scores written out: for each query head and query of q (B, H, T, D) and
+    each page of `page` consecutive leaves leaf_k (B, Hkv, n, D) of its KV head, scale times
+    the sum over channels of the largest q_c * k_c among the page's keys. Returns (B, H, T, P)."""
+    B, H, T, _ = q.shape
+    Hkv, n = leaf_k.shape[1], leaf_k.shape[2]
+    pages = range(0, n, page)
+    out = torch.zeros(B, H, T, len(pages), dtype=q.dtype)
+    for b in range(B):
+        for h in range(H):
+            g = h // (H // Hkv)
+            for t in range(T):
+                for p, start in enumerate(pages):
+                    members = leaf_k[b, g, start : start + page]
+                    best = [
+                        max(float(q[b, h, t, c] * k[c]) for k in members)
+                        for c in range(q.shape[-1])
+                    ]
+                    out[b, h, t, p] = scale * sum(best)
+    return out
+
+
+def representatives_naive(keys: Tensor, scores: Tensor, r: int) -> Tensor:
+    """`longkv.caches.infllm.representatives` written out: for each row and query head, the
+    mean of the keys (B, Hkv, n, D) of its KV head's r tokens with the highest scores (B, H, n),
+    the earlier on ties. Returns (B, H, D)."""
+    B, H, _ = scores.shape
+    out = torch.zeros(B, H, keys.shape[-1], dtype=keys.dtype)
+    for b in range(B):
+        for h in range(H):
+            g = h // (H // keys.shape[1])
+            best = top_units_naive(scores[b, h], r)
+            out[b, h] = sum(keys[b, g, j] for j in best) / len(best)
+    return out
+
+
+def infllm_attention_naive(
+    q: Tensor, q_mem: Tensor, entries: dict[str, tuple[Tensor, Tensor]], scale: float
+) -> tuple[Tensor, Tensor]:
+    """InfLLM's attention written out per row, query head and query: one softmax over the
+    memory (entries "memory": the initial tokens and the opened blocks' leaves, met by q_mem
+    (B, H, T, D)) and the local tokens ("window", then "chunk", the T queries' own, causal; met
+    by q). Returns the output (B, H, T, Dv) and the probability each local token received,
+    summed over the queries (B, H, window + T)."""
+    B, H, T, _ = q.shape
+    Hkv = entries["window"][0].shape[1]
+    W = entries["window"][0].shape[2]
+    out = torch.zeros(B, H, T, entries["window"][1].shape[-1], dtype=q.dtype)
+    received = torch.zeros(B, H, W + T, dtype=q.dtype)
+    for b in range(B):
+        for h in range(H):
+            g = h // (H // Hkv)
+            for t in range(T):
+                window_k, window_v = entries["window"]
+                chunk_k, chunk_v = entries["chunk"]
+                memory_k, memory_v = entries["memory"]
+                local = [(scale * float(q[b, h, t] @ window_k[b, g, j]), window_v[b, g, j])
+                         for j in range(W)]  # fmt: skip
+                local += [(scale * float(q[b, h, t] @ chunk_k[b, g, j]), chunk_v[b, g, j])
+                          for j in range(t + 1)]  # fmt: skip
+                memory = [(scale * float(q_mem[b, h, t] @ memory_k[b, g, j]), memory_v[b, g, j])
+                          for j in range(memory_k.shape[2])]  # fmt: skip
+                seen = local + memory
+                top = max(lg for lg, _ in seen)
+                total = sum(math.exp(lg - top) for lg, _ in seen)
+                out[b, h, t] = sum(math.exp(lg - top) * v for lg, v in seen) / total
+                for j, (lg, _) in enumerate(local):
+                    received[b, h, j] += math.exp(lg - top) / total
+    return out, received

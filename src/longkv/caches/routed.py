@@ -136,7 +136,8 @@ def attended_entries(
     the units left closed (with readouts), the leaves of the opened units (count (B, Hkv, U) of
     them each) and the window before the chunk, plus the chunk up to the query."""
     B, Hkv, R, U = opened.shape
-    rows = opened.view(B, Hkv, -1, L if R > 1 else 1, U).to(count.dtype)
+    shared = R == 1
+    rows = opened.view(B, Hkv, 1 if shared else R // L, 1 if shared else L, U).to(count.dtype)
     leaves = (rows @ count.unsqueeze(2).unsqueeze(-1))[..., 0]  # (B, Hkv, R', L or 1)
     closed = U - rows.sum(-1) if readouts else torch.zeros_like(leaves)
     causal = torch.arange(1, L + 1, device=opened.device, dtype=count.dtype)

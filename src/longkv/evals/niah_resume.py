@@ -11,15 +11,19 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
-from longkv.caches.methods import BOUNDED, BoundedOptions, method_of
+from longkv.caches.methods import BOUNDED, BoundedOptions, reader_of
 from longkv.checks import require
 from longkv.evals.niah_records import NiahRecord, NiahSettings
 
+# what a file written before a setting existed did, where that is not the setting's default:
+# two-level KVM-Fold routed every query head and query on its own
+BEFORE = {"routing": "token", "leaf_budget": 0}
+
 
 def saved_settings(data: dict[str, Any]) -> dict[str, Any]:
-    """The settings of a niah result file (`NiahRun.save`), with the default of any setting
-    added after the file was written."""
-    defaults = {f.name: f.default for f in fields(NiahSettings)}
+    """The settings of a niah result file (`NiahRun.save`), with any setting added after the
+    file was written as the file's runs had it (`BEFORE`, else its default)."""
+    defaults = {f.name: BEFORE.get(f.name, f.default) for f in fields(NiahSettings)}
     return {**json.loads(json.dumps(defaults)), **data.get("settings", {})}
 
 
@@ -40,14 +44,21 @@ RUN_FIELDS = (
     "only",
 )  # fmt: skip
 GRID_FIELDS = ("tasks", "lengths", "depths", "samples", "seed")
-# settings that only some methods read: a difference in one keeps the other methods' answers
+RETRIEVAL = ("two-level", "quest")  # the runs that open units (`reader_of`)
+KVM = ("kvm-fold", "two-level")
+# settings that only some runs read (by `reader_of`): a difference in one keeps the others'
+# answers
 ONLY_FOR = {
     "chunk_size": ("fold",),
     "variant": ("fold",),
-    "sinks": BOUNDED,
-    "stream_chunk": BOUNDED,
-    "window": ("snapkv", "kvm-fold"),
-    **{f.name: ("kvm-fold",) for f in fields(BoundedOptions) if f.name.startswith("kvm_")},
+    "sinks": (*BOUNDED, "two-level"),
+    "stream_chunk": (*BOUNDED, "two-level"),
+    "window": ("snapkv", *KVM, "quest", "infllm"),
+    **{f.name: KVM for f in fields(BoundedOptions) if f.name.startswith("kvm_")},
+    "routing": RETRIEVAL,
+    "leaf_budget": RETRIEVAL,
+    **{f.name: ("quest",) for f in fields(BoundedOptions) if f.name.startswith("quest_")},
+    **{f.name: ("infllm",) for f in fields(BoundedOptions) if f.name.startswith("infllm_")},
 }
 
 
@@ -65,7 +76,7 @@ def reusable_records(path: Path, s: NiahSettings) -> tuple[list[NiahRecord], dic
         for record in (NiahRecord(**r) for r in data["records"])
         if record.method in runs and record.key[:4] in cells
     ]
-    methods = {method_of(r.method) for r in records}
+    methods = {reader_of(r.method) for r in records}
     differ = sorted(
         k
         for k in ours

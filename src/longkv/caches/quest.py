@@ -1,0 +1,163 @@
+"""Quest (Tang et al. 2024, arXiv 2406.10774): pages of contiguous tokens, each summarised by
+the per-channel minimum and maximum of its keys; a query scores a page by the upper bound of
+its logit over the page, sum over channels of max(q_c * max_c, q_c * min_c), and attends the
+tokens of its best pages.
+
+In longkv Quest is a retrieval cache (`longkv.caches.retrieval`): its units are pages of `page`
+tokens among those that left the window (aligned from the first of them; the newest page may
+be partial, its bounds over the tokens it has), with the same sinks and exact window as
+two-level KVM-Fold, keys at the positions the model gave them (Quest keeps the model's RoPE) and
+no read-out of a closed page. Each query head opens its `open` best pages (`routed.top_units`)
+when decoding, as Quest does; the queries of a prefill chunk open pages together within
+`leaf_budget` leaves (`routed.block_units`, as two-level's slots) where Quest's reference
+prefills with full attention, so that the two are compared at the same entries attended;
+`routing="token"` opens per query head and query in prefill too. The first `dense_layers`
+layers open every page (Quest: 2).
+Departures from the reference (mit-han-lab/Quest, `evaluation/quest_attention.py`): sinks and
+a window beside the pages (Quest has neither; its newest page is scored like the others), and no
+floor of 3 pages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from longkv.attention.state import tensor_bytes
+from longkv.caches.bounded import BoundedConfig
+from longkv.caches.retrieval import RetrievalRunner
+from longkv.caches.routed import (
+    ROUTINGS,
+    attended_entries,
+    block_units,
+    grouped,
+    last_query,
+    routed_attention,
+    top_units,
+)
+from longkv.checks import require, require_at_least, setting
+from longkv.fold.attention import Attend
+
+
+@dataclass(frozen=True)
+class QuestConfig(BoundedConfig):
+    """Sinks, an exact window and pages of the tokens that left it, opened by their key bounds."""
+
+    page: int = setting(16, "tokens per page (Quest: 16)")
+    open: int = setting(64, "pages each query head opens (64 pages of 16: 1024 tokens)")
+    routing: str = setting(
+        "block",
+        "who opens pages in a prefill chunk: block (its queries together, the union of each "
+        "query head's best, within leaf_budget) or token (each query head and query its own); "
+        "a decoded token's query heads open their own either way",
+        choices=ROUTINGS,
+    )
+    leaf_budget: int | None = setting(
+        1024,
+        "block routing: the most leaves per KV head a prefill chunk's queries open together "
+        "(None: every page any of them ranks in its best)",
+    )
+    dense_layers: int = setting(2, "the first layers, which open every page (Quest: 2)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require_at_least(1, self, "page", "open")
+        require_at_least(0, self, "dense_layers")
+        require(self.routing in ROUTINGS, self, "routing", f"must be one of {ROUTINGS}")
+        if self.leaf_budget is not None:
+            require_at_least(1, self, "leaf_budget")
+
+    def describe(self) -> str:
+        routing = (
+            f"a prefill chunk's queries together within {self.leaf_budget} leaves"
+            if self.routing == "block" and self.leaf_budget is not None
+            else self.routing
+        )
+        return (
+            f"{self.sinks} sinks + {self.window_len} recent + pages of {self.page} tokens, "
+            f"{self.open} opened per query head ({routing}; the first {self.dense_layers} "
+            "layers open all)"
+        )
+
+
+def page_scores(q: Tensor, key_max: Tensor, key_min: Tensor, scale: float) -> Tensor:
+    """(B, Hkv, R, P): scale * sum_c max(q_c * max_c, q_c * min_c), the largest logit any key
+    inside each page's bounds can give, for the rows q (B, Hkv, R, D) of each KV head's query
+    heads against its pages' bounds key_max, key_min (B, Hkv, P, D)."""
+    upper = q.clamp_min(0) @ key_max.transpose(-1, -2) + q.clamp_max(0) @ key_min.transpose(-1, -2)
+    return scale * upper
+
+
+class QuestRunner(RetrievalRunner):
+    """Quest's pages over the tokens that left the window, per layer their keys' bounds."""
+
+    method = "Quest"
+    config: QuestConfig
+
+    def __init__(self, model: nn.Module, config: QuestConfig):
+        super().__init__(model, config)
+        # per layer: the pages' per-channel max and min keys (B, Hkv, P, D)
+        self.bounds: list[tuple[Tensor, Tensor] | None] = [None] * model.config.num_hidden_layers
+
+    def absorb(self, layer: int, keys: Tensor, values: Tensor, first: int) -> None:
+        """The tokens (keys as the model rotated them) join the newest page, then new ones."""
+        B, Hkv, m, D = keys.shape
+        store = self.leaves[layer]
+        n = 0 if store is None else len(store)
+        page = torch.arange(n, n + m, device=keys.device) // self.config.page
+        self.keep_leaves(layer, keys, values, page.expand(B, Hkv, m))
+        pages = int(page[-1]) + 1
+        held = self.bounds[layer]
+        key_max, key_min = (keys[:, :, :0], keys[:, :, :0]) if held is None else held
+        grow = pages - key_max.shape[2]
+        key_max = torch.cat([key_max, keys.new_full((B, Hkv, grow, D), float("-inf"))], dim=2)
+        key_min = torch.cat([key_min, keys.new_full((B, Hkv, grow, D), float("inf"))], dim=2)
+        index = page.view(1, 1, m, 1).expand(B, Hkv, m, D)
+        self.bounds[layer] = (
+            key_max.scatter_reduce(2, index, keys, "amax"),
+            key_min.scatter_reduce(2, index, keys, "amin"),
+        )
+
+    def page_counts(self, layer: int) -> Tensor:
+        """(B, Hkv, P): the tokens of each page (the newest may have fewer)."""
+        store, bounds = self.leaves[layer], self.bounds[layer]
+        assert store is not None and bounds is not None
+        B, Hkv, P, _ = bounds[0].shape
+        start = torch.arange(P, device=bounds[0].device) * self.config.page
+        count = (len(store) - start).clamp_max(self.config.page)
+        return count.to(bounds[0].dtype).expand(B, Hkv, P)
+
+    def attend(self, layer: int) -> Attend:
+        """This layer's attention (`routed_attention`, no read-outs): the queries score the
+        pages by their bounds (`page_scores`) and open their best (per block in a prefill chunk
+        by `config.routing`, per query head otherwise), or every page in a dense layer."""
+        store, bounds, config = self.leaves[layer], self.bounds[layer], self.config
+        assert store is not None and bounds is not None
+        count = self.page_counts(layer)
+        sinks = self.sink_k[layer].shape[2]
+
+        def attend(q: Tensor, keys: Tensor, values: Tensor, scale: float) -> Tensor:
+            L, Hkv = q.shape[2], keys.shape[1]
+            G = q.shape[1] // Hkv
+            high = torch.promote_types(q.dtype, torch.float32)
+            key_max, key_min = bounds[0].to(high), bounds[1].to(high)
+            rank = page_scores(grouped(q.to(high), Hkv), key_max, key_min, scale)
+            if layer < config.dense_layers:
+                opened = torch.ones_like(rank[:, :, :1], dtype=torch.bool)
+            elif L > 1 and config.routing == "block":
+                opened = block_units(rank, config.open, count.to(high), config.leaf_budget)
+            else:
+                opened = top_units(rank, config.open)
+            self.remember(layer, last_query(rank, G, L), last_query(opened, G, L))
+            window = keys.shape[2] - sinks - L
+            self.tally(attended_entries(opened, count, sinks, window, L, readouts=False))
+            got = store.gather(opened.any(2), high)
+            return routed_attention(q, keys, values, sinks, None, opened, got, scale)
+
+        return attend
+
+    def middle_bytes(self) -> int:
+        """The pages' key bounds."""
+        return tensor_bytes(*(t for bounds in self.bounds if bounds for t in bounds))
