@@ -223,3 +223,25 @@ def test_compared_runs_report_what_each_query_attends_and_the_bytes_each_cache_h
     assert runs["file"]["leaf_file_bytes"] == leaf_rows * per_token
     assert runs["file"]["leaf_bytes"] == leaf_rows * owners  # in memory: the owners only
     assert runs["open"]["nll_gap_vs_full"] == pytest.approx(0.0, abs=1e-5)
+
+
+def test_compare_times_decoding_steps_after_each_read_and_refuses_steps_past_the_input() -> None:
+    """A decoding step per method, timed at the input's length after its runs (in rounds),
+    with its ratio to full attention's; steps must leave tokens to read first."""
+    from longkv.caches import KVMFoldConfig
+    from longkv.caches.quest import QuestConfig
+
+    model = tiny_hf()
+    ids = torch.randint(0, 64, (1, 60), generator=torch.Generator().manual_seed(3))
+    bounded = {
+        "two-level": KVMFoldConfig(budget=26, sinks=2, window=16, open=2),
+        "quest": QuestConfig(budget=26, sinks=2, window=16, page=4, open=2),
+    }
+    report = compare_methods(model, ids, 60, methods=("full", "fold", *bounded), bounded=bounded,
+                             stream_chunk=8, repeats=2, decode_tokens=3)  # fmt: skip
+    runs = {r["method"]: r for r in report["runs"]}
+    assert all(r["decode_seconds"] > 0 and r["seconds"] > 0 for r in runs.values())
+    assert set(report["ratios"]) >= {f"{m} / full decoding step" for m in ("fold", *bounded)}
+    assert compare_methods(model, ids, 60)["runs"][0]["decode_seconds"] is None
+    with pytest.raises(ValueError, match=r"decode_tokens: must lie in \[0, 60\)"):
+        compare_methods(model, ids, 60, decode_tokens=60)

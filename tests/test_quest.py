@@ -65,7 +65,7 @@ def test_a_layers_pages_and_attention_are_the_per_query_references(routing: str)
     opened = torch.zeros(2, 4, L, P, dtype=torch.bool)
     if routing == "block":
         grouped = scores.reshape(2, 2, 2 * L, P)  # each KV head's query heads' rows
-        shared = block_units_naive(grouped, 3, count, 10)  # (B, Hkv, 1, P)
+        shared = block_units_naive(grouped, count, 10)  # (B, Hkv, 1, P)
         opened[:] = shared.repeat_interleave(2, dim=1)
     else:
         for b in range(2):

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from longkv.bench.compare import compare_methods, markdown_rows
+from longkv.bench.compare import Timing, compare_methods, markdown_rows
 from longkv.evals.niah_records import NiahRecord, NiahRun, NiahSettings
 from longkv.evals.niah_report import accuracy_table, budget_plot, heatmap, methods_line
 from longkv.results import (
@@ -33,10 +33,11 @@ FATES = ("exact", "founded", "merged", "dropped")
 def bounded_nll(
     model: nn.Module, ids: torch.Tensor, s: NiahSettings, lengths: tuple[int, ...],
     partial: Path, settings: dict[str, Any], allow_extrapolation: bool = False,
+    timing: Timing = Timing(),  # noqa: B008 (frozen)
 ) -> dict[str, dict[str, Any]]:  # fmt: skip
     """`compare_methods` of every run of s but the fold over the first n tokens of ids (1, T),
-    by n in lengths; each finished length is kept in `partial` (with `settings`, what it
-    depends on), so a rerun measures only the lengths it lacks."""
+    by n in lengths, timed as `timing` says; each finished length is kept in `partial` (with
+    `settings`, what it depends on), so a rerun measures only the lengths it lacks."""
     reports = load_partial(partial, settings)
     labels = tuple(label for label in s.runs if label != "fold")
     for n in sorted(lengths):
@@ -45,7 +46,8 @@ def bounded_nll(
         reports[str(n)] = compare_methods(
             model, ids[:, :n], s.chunk_size, methods=labels,
             bounded=s.bounded_configs(s.methods), stream_chunk=s.stream_chunk,
-            allow_extrapolation=allow_extrapolation,
+            allow_extrapolation=allow_extrapolation, repeats=timing.repeats,
+            decode_tokens=timing.decode_tokens,
         )  # fmt: skip
         save_partial(partial, settings, reports)
     return reports

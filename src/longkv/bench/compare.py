@@ -2,19 +2,25 @@
 
 Each method first reads the first WARM_UP_TOKENS tokens (what its first call sets up, caches
 and kernels, is counted nowhere), then runs once with its peak memory measured, then `repeats`
-timed runs with the heap kept for reuse; the reported time is their median. The weights are
-read in before anything is measured, so no method's peak counts them (`load_weights`).
-Measuring sets glibc's allocator options for the process (`keep_freed_heap`).
+timed runs with the heap kept for reuse; the reported time is their median. With
+`decode_tokens` n, it then reads all but the last n tokens once more and feeds those n one at a
+time, as decoding does (the input's own tokens rather than its guesses, so that every method
+steps through the same positions, inside the input's length): the reported decode time is the
+median of those steps. The weights are read in before anything is measured, so no method's
+peak counts them (`load_weights`). Measuring sets glibc's allocator options for the process
+(`keep_freed_heap`).
 """
 
 from __future__ import annotations
 
 import functools
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from tqdm import tqdm
 
@@ -22,7 +28,8 @@ from longkv.attention.state import tensor_bytes
 from longkv.bench.memory import keep_freed_heap, load_weights, peak_memory
 from longkv.caches.bounded import BoundedConfig, BoundedRunner, bounded_fold
 from longkv.caches.methods import make_runner
-from longkv.fold.fold import FoldResult, kv_fold
+from longkv.checks import require_at_least, setting
+from longkv.fold.fold import FoldResult, FoldRunner, kv_fold
 from longkv.models.modeling import LongKVCache
 from longkv.results import markdown_table
 
@@ -50,9 +57,37 @@ class MethodRun:
     cache_bytes: int
     leaf_bytes: int
     leaf_file_bytes: int
+    # the median seconds of one decoding step at the input's length (None: not measured)
+    decode_seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class Timing:
+    """How the comparing commands time each method."""
+
+    repeats: int = setting(1, "timed runs per method, in rounds over the methods (median)")
+    decode_tokens: int = setting(
+        0, "decoding steps timed per method after its runs, at the input's length (0: none)"
+    )
+
+    def __post_init__(self) -> None:
+        require_at_least(1, self, "repeats")
+        require_at_least(0, self, "decode_tokens")
 
 
 Run = Callable[[Tensor], FoldResult]
+Step = Callable[[Tensor], Tensor]  # ids (B, 1) -> logits (B, 1, V), continuing a read
+
+
+def step_seconds(step: Step, ids: Tensor) -> float:
+    """The median wall time of feeding ids (B, n) one token at a time through step."""
+    times = []
+    with torch.inference_mode():
+        for i in range(ids.shape[1]):
+            start = time.perf_counter()
+            step(ids[:, i : i + 1])
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def _runs(
@@ -118,43 +153,75 @@ def compare_methods(
     stream_chunk: int = 64,
     allow_extrapolation: bool = False,
     variant: str = "exact",
+    decode_tokens: int = 0,
 ) -> dict[str, Any]:
     """Measure each method on input_ids (B, T); ratios against the full forward.
 
     methods: "full" and "fold", and labels of `bounded` (label -> config; see
-    `longkv.caches.methods`), run in chunks of stream_chunk. allow_extrapolation: let full and
-    fold run a RoPE model past its max_position_embeddings (`kv_fold`); a bounded cache's
-    positions stay within its budget. variant: how "fold" departs from the exact fold
-    (`longkv.fold.variants`).
+    `longkv.caches.methods`), run in chunks of stream_chunk. The `repeats` timed runs go in
+    rounds, each method once per round, so that a machine that slows down or speeds up over
+    the minutes weighs on every method alike. allow_extrapolation: let full and fold run a
+    RoPE model past its max_position_embeddings (`kv_fold`); a bounded cache's positions stay
+    within its budget. variant: how "fold" departs from the exact fold
+    (`longkv.fold.variants`). decode_tokens: steps of decoding timed after each method's
+    runs (module docstring; 0: none).
     """
     if repeats < 1:
         raise ValueError(f"repeats: must be >= 1, got {repeats}")
+    T = input_ids.shape[1]
+    if not 0 <= decode_tokens < T:
+        raise ValueError(f"decode_tokens: must lie in [0, {T}), got {decode_tokens}")
     keep_freed_heap()
     load_weights(model)
     runs, last = _runs(model, chunk_size, bounded or {}, stream_chunk, allow_extrapolation, variant)
-    results: dict[str, MethodRun] = {}
-    full_nll: Tensor | None = None
-    T = input_ids.shape[1]
     order = ("full", *[m for m in methods if m != "full"])
+    measured: dict[str, dict[str, Any]] = {}
+    full_nll: Tensor | None = None
     for method in tqdm(order, desc=f"methods over {T} tokens", unit="method"):
         size, run_on = runs[method]
-        run = functools.partial(run_on, input_ids)
         run_on(input_ids[:, : min(T, WARM_UP_TOKENS)])  # what a first call sets up is not counted
-        first, peak = peak_memory(run, input_ids.device)
-        times = [run().seconds for _ in range(repeats)]
-        if method == "full":
-            full_nll = first.nll
+        first, peak = peak_memory(functools.partial(run_on, input_ids), input_ids.device)
+        full_nll = first.nll if method == "full" else full_nll
         assert full_nll is not None
-        results[method] = MethodRun(
-            method=method,
-            chunk_size=size or T,
-            seconds=statistics.median(times),
-            peak_memory_bytes=peak,
+        measured[method] = dict(
+            method=method, chunk_size=size or T, peak_memory_bytes=peak,
             mean_nll=first.nll.mean().item(),
             nll_gap_vs_full=(first.nll - full_nll).mean().item(),
             max_abs_nll_diff_vs_full=(first.nll - full_nll).abs().max().item(),
             **cache_use(first, last.get(method), T),
-        )
+        )  # fmt: skip
+    times: dict[str, list[float]] = {m: [] for m in order}
+    for _ in tqdm(range(repeats), desc="timed rounds", unit="round"):
+        for method in order:
+            times[method].append(runs[method][1](input_ids).seconds)
+    results: dict[str, MethodRun] = {}
+    for method in order:
+        decode = None
+        if decode_tokens:
+            head = runs[method][1](input_ids[:, : T - decode_tokens])
+            decode = step_seconds(_step(model, method, head, last, variant, chunk_size),
+                                  input_ids[:, T - decode_tokens :])  # fmt: skip
+        seconds = statistics.median(times[method])
+        results[method] = MethodRun(**measured[method], seconds=seconds, decode_seconds=decode)
+    return {"runs": [asdict(r) for r in results.values()], "ratios": _ratios(results)}
+
+
+def _step(
+    model: nn.Module, method: str, read: FoldResult, last: dict[str, BoundedRunner],
+    variant: str, chunk_size: int,
+) -> Step:  # fmt: skip
+    """How decoding continues the read `read` of a method: a bounded run's runner, or a fold
+    runner over full attention's or the fold's cache."""
+    if method in last:
+        return last[method].forward
+    variant = variant if method == "fold" else "exact"
+    runner = FoldRunner(model, read.cache, read.next_position, variant=variant,
+                        chunk_size=chunk_size)  # fmt: skip
+    return runner.forward
+
+
+def _ratios(results: dict[str, MethodRun]) -> dict[str, float]:
+    """Each method's time, peak memory and decoding step against full attention's."""
     full = results["full"]
     ratios = {}
     for name, r in results.items():
@@ -163,7 +230,9 @@ def compare_methods(
         ratios[f"{name} / full time"] = r.seconds / full.seconds
         if r.peak_memory_bytes is not None and full.peak_memory_bytes:
             ratios[f"{name} / full peak memory"] = r.peak_memory_bytes / full.peak_memory_bytes
-    return {"runs": [asdict(r) for r in results.values()], "ratios": ratios}
+        if r.decode_seconds is not None and full.decode_seconds:
+            ratios[f"{name} / full decoding step"] = r.decode_seconds / full.decode_seconds
+    return ratios
 
 
 def markdown_rows(report: dict[str, Any]) -> list[str]:
@@ -179,6 +248,7 @@ def markdown_rows(report: dict[str, Any]) -> list[str]:
         "entries attended (last chunk, mean / max)",
         "cache MiB",
         "leaves MiB (memory / file)",
+        "decoding ms / step",
     ]
     rows = [
         [
@@ -192,12 +262,13 @@ def markdown_rows(report: dict[str, Any]) -> list[str]:
             f"{100 * r['attended_share']:.1f} % / {100 * r['attended_share_max']:.1f} %",
             f"{r['cache_bytes'] / 2**20:.1f}",
             leaves(r),
+            "-" if r.get("decode_seconds") is None else f"{1000 * r['decode_seconds']:.1f}",
         ]
         for r in report["runs"]
     ]
     ratios = [[name, f"{value:.3f}"] for name, value in report["ratios"].items()]
     return [
-        *markdown_table(header, rows, "<" + ">" * 9),
+        *markdown_table(header, rows, "<" + ">" * 10),
         "",
         *markdown_table(["ratio (same run)", "value"], ratios, "<>"),
     ]

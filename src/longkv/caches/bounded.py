@@ -368,11 +368,19 @@ def bounded_generate(
 ) -> Tensor:
     """Read a prompt (B, T) through the runner, then decode (B, n) from its cache, greedy
     unless `pick` samples (`continue_decode`); after_prompt is called between the two (to look
-    at the runner as the prompt left it); desc labels the progress bar (`bounded_fold`)."""
+    at the runner as the prompt left it); desc labels the progress bar (`bounded_fold`).
+
+    The prompt's last token is read on its own, as the first step of decoding: its query,
+    which predicts the first new token, attends as a decoded token's does (a retrieval cache
+    routes it per query head, where a prefill chunk's queries route together), as InfLLM's
+    reference reads it."""
     runner.check_room(input_ids.shape[1] + max_new_tokens - 1)  # the last token is not read
-    run = bounded_fold(runner, input_ids, chunk_size, progress=progress, desc=desc)
+    if input_ids.shape[1] > 1:
+        bounded_fold(runner, input_ids[:, :-1], chunk_size, progress=progress, desc=desc)
+    with torch.inference_mode():
+        logits = runner.forward(input_ids[:, -1:])[:, -1]
     if after_prompt is not None:
         after_prompt()
     return continue_decode(
-        runner.forward, run.last_logits, max_new_tokens, eos_token_id, pick=pick, on_token=on_token
+        runner.forward, logits, max_new_tokens, eos_token_id, pick=pick, on_token=on_token
     )

@@ -89,14 +89,15 @@ class KVMFoldConfig(BoundedConfig):
     routing: str = setting(
         "block",
         "two-level KVM-Fold: who opens slots in a prefill chunk: block (its queries together, the "
-        "union of each query head's best, within leaf_budget) or token (each query head and "
-        "query its own); a decoded token's query heads open their own either way",
+        "slots they give the largest shares of attention, within leaf_budget) or token (each "
+        "query head and query its own `open` best); a decoded token's query heads open their "
+        "own either way",
         choices=ROUTINGS,
     )
     leaf_budget: int | None = setting(
         1024,
         "two-level KVM-Fold, block routing: the most leaves per KV head a prefill chunk's "
-        "queries open together (None: every slot any of them ranks in its best)",
+        "queries open together (None: every slot)",
     )
     leaf_dir: str | None = setting(
         None,

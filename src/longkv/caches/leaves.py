@@ -72,10 +72,13 @@ class LeafStore:
             keys, values = self._read(None, dtype)
             return Gathered(keys, values, owner, None)
         chosen = slots.gather(-1, owner)  # (B, Hkv, L)
-        n = chosen.sum(-1, keepdim=True)  # (B, Hkv, 1)
-        # the chosen leaves first, each group in order of leaving (a stable sort)
-        index = (~chosen).to(torch.uint8).argsort(dim=-1, stable=True)[..., : int(n.max())]
-        valid = torch.arange(index.shape[-1], device=index.device) < n
+        at = chosen.cumsum(-1)  # a chosen leaf's place + 1 among its head's, in order of leaving
+        n = at[..., -1:]  # (B, Hkv, 1)
+        most = int(n.max())
+        index = torch.zeros(*at.shape[:-1], most + 1, dtype=torch.long, device=at.device)
+        leaf = torch.arange(at.shape[-1], device=at.device).expand_as(at)
+        index = index.scatter_(-1, torch.where(chosen, at - 1, most), leaf)[..., :most]
+        valid = None if bool((n == most).all()) else torch.arange(most, device=n.device) < n
         keys, values = self._read(index, dtype)
         return Gathered(keys, values, owner.gather(-1, index), valid)
 
@@ -101,11 +104,21 @@ class LeafStore:
         return rows[..., :D].to(dtype), rows[..., D:].to(dtype)
 
 
-def pick(rows: Tensor, index: Tensor | None) -> Tensor:
-    """rows (B, Hkv, L, w) at index (B, Hkv, n) along dim 2 (None: all of them)."""
-    if index is None:
-        return rows
-    return rows.gather(2, index.unsqueeze(-1).expand(*index.shape, rows.shape[-1]))
+def pick(rows: Tensor | Rows, index: Tensor | None) -> Tensor:
+    """rows (B, Hkv, L, w) at index (B, Hkv, n) along dim 2 (None: all of them): whole rows
+    taken from the buffer (a Rows' store) by one index_select, not element by element."""
+    if isinstance(rows, Rows):
+        if index is None:
+            return rows.tensor
+        data, first = rows.store.data, rows.lo
+    else:
+        if index is None:
+            return rows
+        data, first = rows.contiguous(), 0
+    B, Hkv, capacity, width = data.shape
+    heads = torch.arange(B * Hkv, device=index.device).view(B, Hkv, 1) * capacity + first
+    taken = data.view(-1, width).index_select(0, (heads + index).flatten())
+    return taken.view(*index.shape, width)
 
 
 class ExactLeaves(LeafStore):
@@ -119,7 +132,7 @@ class ExactLeaves(LeafStore):
         self.rows = self.rows.append(torch.cat([keys, values], dim=-1), True)
 
     def _read(self, index: Tensor | None, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        return self._split(pick(self.rows.tensor, index), dtype)
+        return self._split(pick(self.rows, index), dtype)
 
     @property
     def nbytes(self) -> int:
@@ -150,7 +163,7 @@ class Int8Leaves(LeafStore):
         self.scale = self.scale.append(torch.cat([k_scale, v_scale], dim=-1), True)
 
     def _read(self, index: Tensor | None, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        codes, scale = pick(self.codes.tensor, index), pick(self.scale.tensor, index)
+        codes, scale = pick(self.codes, index), pick(self.scale, index)
         keys, values = self._split(codes, torch.float32)
         return (keys * scale[..., :1]).to(dtype), (values * scale[..., 1:]).to(dtype)
 

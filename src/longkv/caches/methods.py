@@ -95,15 +95,15 @@ class BoundedOptions:
     routing: str = setting(
         "block",
         "retrieval methods (two-level kvm-fold, quest): who opens units in a prefill chunk: "
-        "block (its queries together, the union of each query head's best, within "
-        "--leaf-budget) or token (each query head and query its own); a decoded token's query "
-        "heads open their own either way",
+        "block (its queries together, the units they give the largest shares of attention, "
+        "within --leaf-budget) or token (each query head and query its own best); a decoded "
+        "token's query heads open their own either way",
         choices=ROUTINGS,
     )
     leaf_budget: int = setting(
         1024,
         "retrieval methods, block routing: the most leaves per KV head a prefill chunk's "
-        "queries open together (0: no bound, the whole union)",
+        "queries open together (0: no bound, every unit)",
     )
     quest_page: int = mirror(QuestConfig, "page", "quest: ")
     quest_open: int = mirror(QuestConfig, "open", "quest: ")
@@ -236,6 +236,15 @@ def reader_of(label: str) -> str:
     ("kvm-fold/fixed/open8@1024"), else its method (`method_of`)."""
     method = method_of(label)
     return "two-level" if method == "kvm-fold" and "/open" in label else method
+
+
+def keeps_positions(config: BoundedConfig) -> bool:
+    """Whether a run of this config keeps every token at its own position (a retrieval
+    cache: two-level KVM-Fold, Quest, InfLLM), so that the model must have positions for the
+    whole input, where the other bounded caches place theirs inside the budget."""
+    return isinstance(config, QuestConfig | InfLLMConfig) or (
+        isinstance(config, KVMFoldConfig) and config.open > 0
+    )
 
 
 def make_runner(model: nn.Module, config: BoundedConfig, track: bool = False) -> BoundedRunner:

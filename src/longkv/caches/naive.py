@@ -83,21 +83,20 @@ def top_units_naive(rank: Tensor, k: int) -> list[int]:
     return sorted(range(rank.shape[0]), key=lambda i: (-float(rank[i]), i))[:k]
 
 
-def block_units_naive(rank: Tensor, k: int, count: Tensor, leaf_budget: int | None) -> Tensor:
+def block_units_naive(rank: Tensor, count: Tensor, leaf_budget: int | None) -> Tensor:
     """`longkv.caches.routed.block_units` written out per row and unit: (B, Hkv, 1, U) bool."""
     B, Hkv, R, U = rank.shape
     out = torch.zeros(B, Hkv, 1, U, dtype=torch.bool)
     for b in range(B):
         for h in range(Hkv):
-            share: dict[int, float] = {}  # the units some row chose, by their largest share
+            share = [0.0] * U  # each unit's largest share of a row's softmax
             for r in range(R):
-                row = rank[b, h, r]
-                top = max(float(x) for x in row)
-                total = sum(math.exp(float(x) - top) for x in row)
-                for i in top_units_naive(row, k):
-                    share[i] = max(share.get(i, 0.0), math.exp(float(row[i]) - top) / total)
+                row = [float(x) for x in rank[b, h, r]]
+                total = sum(math.exp(x - max(row)) for x in row)
+                for i in range(U):
+                    share[i] = max(share[i], math.exp(row[i] - max(row)) / total)
             used = 0.0
-            for i in sorted(share, key=lambda i: (-share[i], i)):
+            for i in sorted(range(U), key=lambda i: (-share[i], i)):
                 used += float(count[b, h, i])
                 if leaf_budget is not None and used > leaf_budget:
                     break

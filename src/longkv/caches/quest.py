@@ -49,15 +49,15 @@ class QuestConfig(BoundedConfig):
     open: int = setting(64, "pages each query head opens (64 pages of 16: 1024 tokens)")
     routing: str = setting(
         "block",
-        "who opens pages in a prefill chunk: block (its queries together, the union of each "
-        "query head's best, within leaf_budget) or token (each query head and query its own); "
-        "a decoded token's query heads open their own either way",
+        "who opens pages in a prefill chunk: block (its queries together, those they give the "
+        "largest shares of attention, within leaf_budget) or token (each query head and query "
+        "its own `open` best); a decoded token's query heads open their own either way",
         choices=ROUTINGS,
     )
     leaf_budget: int | None = setting(
         1024,
         "block routing: the most leaves per KV head a prefill chunk's queries open together "
-        "(None: every page any of them ranks in its best)",
+        "(None: every page)",
     )
     dense_layers: int = setting(2, "the first layers, which open every page (Quest: 2)")
 
@@ -147,7 +147,7 @@ class QuestRunner(RetrievalRunner):
             if layer < config.dense_layers:
                 opened = torch.ones_like(rank[:, :, :1], dtype=torch.bool)
             elif L > 1 and config.routing == "block":
-                opened = block_units(rank, config.open, count.to(high), config.leaf_budget)
+                opened = block_units(rank, count.to(high), config.leaf_budget)
             else:
                 opened = top_units(rank, config.open)
             self.remember(layer, last_query(rank, G, L), last_query(opened, G, L))

@@ -12,8 +12,8 @@ of tokens (logit + log count). An opened unit's read-out is left out: its leaves
 Who opens what is a mask `opened` (B, Hkv, R, U):
 - per token (R = G * L, the rows of the queries grouped by KV head, (G, L) heads first): each
   query head and query opens its k best units by a score (`top_units`);
-- per block (R = 1): every query head and query of a forward opens the same units, the union of
-  their k best, bounded by a budget of leaves (`block_units`).
+- per block (R = 1): every query head and query of a forward opens the same units, those some
+  of them gives the largest shares of its attention, within a budget of leaves (`block_units`).
 `routed_attention` gathers the opened units' leaves and attends through torch's fused kernel
 (`attend_key_sets`): [sinks | read-outs | leaves | window before the chunk] with an additive
 bias per row as one key set, the chunk causally as another, merged by their log-sum-exp; it
@@ -45,22 +45,20 @@ def top_units(rank: Tensor, k: int) -> Tensor:
     return above | (tied & (tied.cumsum(-1) <= room))  # the earlier tied units first
 
 
-def block_units(rank: Tensor, k: int, count: Tensor, leaf_budget: int | None) -> Tensor:
+def block_units(rank: Tensor, count: Tensor, leaf_budget: int | None) -> Tensor:
     """(B, Hkv, 1, U) bool: the units a block of rows opens together. rank (B, Hkv, R, U): each
     row's scores; count (B, Hkv, U): each unit's leaves.
 
-    The union of the rows' k best units (`top_units`), ranked by the largest share any row that
-    chose a unit gives it in its softmax over the scores (the earlier unit on equal shares) and
-    taken in that order while their leaves fit leaf_budget (None: the whole union), so a unit
-    opens only if it and every unit ranked before it fit."""
-    wanted = top_units(rank, k)
-    union = wanted.any(2)  # (B, Hkv, U)
+    Units are ranked by the largest share any row gives them in its softmax over the scores
+    (the earlier unit on equal shares) and taken in that order while their leaves fit
+    leaf_budget, so a unit opens only if it and every unit ranked before it fit (None: every
+    unit)."""
     if leaf_budget is None:
-        return union.unsqueeze(2)
-    share = torch.softmax(rank, dim=-1).masked_fill(~wanted, 0.0).amax(2)  # (B, Hkv, U)
-    order = share.masked_fill(~union, -1.0).argsort(dim=-1, descending=True, stable=True)
-    fits = (count.gather(-1, order).cumsum(-1) <= leaf_budget) & union.gather(-1, order)
-    return torch.zeros_like(union).scatter(-1, order, fits).unsqueeze(2)
+        return torch.ones_like(rank[:, :, :1], dtype=torch.bool)
+    share = torch.softmax(rank, dim=-1).amax(2)  # (B, Hkv, U)
+    order = share.argsort(dim=-1, descending=True, stable=True)
+    fits = count.gather(-1, order).cumsum(-1) <= leaf_budget
+    return torch.zeros_like(fits).scatter(-1, order, fits).unsqueeze(2)
 
 
 def grouped(q: Tensor, Hkv: int) -> Tensor:

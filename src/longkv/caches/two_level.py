@@ -9,10 +9,10 @@ attention over sinks, leaves and window, the exact cache; opening none gives the
 KVM-Fold with the log(count) bias.
 
 Who opens what (`KVMFoldConfig.routing`): by default the queries of a prefill chunk open one
-set per KV head, the union of each query head's `open` best slots bounded by
-`KVMFoldConfig.leaf_budget` leaves (`routed.block_units`), and a decoded token's query heads open
-their `open` best each (`routed.top_units`); `routing="token"` routes every query head and
-query on its own also in prefill (the reference: the naive per-query attention is that).
+set per KV head, the slots to which some of them gives the largest shares of its attention,
+within `KVMFoldConfig.leaf_budget` leaves (`routed.block_units`), and a decoded token's query
+heads open their `open` best each (`routed.top_units`); `routing="token"` has every query head
+and query open its own `open` best in prefill too.
 
 `TwoLevelRunner` reads a frozen model's input through such a cache: the model's cache holds the
 bounded part [sinks | slot read-outs | window], the leaves a `LeafStore` per layer, and each
@@ -115,7 +115,7 @@ class TwoLevelRunner(RetrievalRunner, KVMFoldRunner):
             slot_k = keys[:, :, sinks : sinks + S].to(high)
             rank = slot_scores(grouped(q.to(high), Hkv), slot_k, count, scale)
             if L > 1 and config.routing == "block":
-                opened = block_units(rank, config.open, count, config.leaf_budget)
+                opened = block_units(rank, count, config.leaf_budget)
             else:
                 opened = top_units(rank, config.open)
             self.remember(layer, last_query(rank, G, L), last_query(opened, G, L))

@@ -12,7 +12,13 @@ from typing import Any
 
 import torch
 
-from longkv.caches.methods import CACHE_METHODS, BoundedOptions, make_runner, read_and_answer
+from longkv.caches.methods import (
+    CACHE_METHODS,
+    BoundedOptions,
+    keeps_positions,
+    make_runner,
+    read_and_answer,
+)
 from longkv.caches.retrieval import check_exact_positions
 from longkv.checks import refused_as, require, require_at_least, setting
 from longkv.cli.args import command
@@ -32,7 +38,8 @@ class AskOptions(BoundedOptions):
     method: str = setting(
         "fold",
         "how the model reads document and question: full (one forward), fold (chunks of "
-        "--chunk-size, exact) or a bounded cache (streaming, snapkv, kvm-fold; one budget)",
+        "--chunk-size, exact) or a bounded cache (streaming, snapkv, kvm-fold, quest, infllm; "
+        "one budget)",
         choices=CACHE_METHODS,
     )
     chunk_size: int = setting(1024, "fold: chunk (tokens)")
@@ -125,7 +132,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                 model, needed, f"the document, question and answer under {o.method}",
                 allow_extrapolation=m.allow_extrapolation, switch=CLI_SWITCH,
             )  # fmt: skip
-    elif getattr(config, "open", 0):  # two-level KVM-Fold keeps every position too
+    elif keeps_positions(config):  # so do the retrieval caches
         with refused_as(o, "file"):
             check_exact_positions(model, needed, f"the document, question and answer ({label})")
     eos = getattr(tokenizer, "eos_token_id", None)

@@ -12,8 +12,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from longkv.bench.bounded import bounded_nll, write_bounded_page
-from longkv.bench.compare import markdown_rows
-from longkv.checks import require_at_least, setting
+from longkv.bench.compare import Timing, markdown_rows
+from longkv.checks import require, require_at_least, setting
 from longkv.cli.args import command
 from longkv.cli.common import ModelOptions, dtype_setting, niah_records_setting, require_positions
 from longkv.data.corpus import DEFAULT_TEXT
@@ -25,7 +25,7 @@ from longkv.results import provenance
 
 
 @dataclass(frozen=True)
-class BoundedStudyOptions:
+class BoundedStudyOptions(Timing):
     """`longkv bounded`: the text the NLL is measured on, the dtype and the page's name."""
 
     nll_tokens: tuple[int, ...] = setting(
@@ -37,7 +37,13 @@ class BoundedStudyOptions:
     niah_records: tuple[str, ...] = niah_records_setting()
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         require_at_least(1, self, "nll_tokens")
+        shortest = min(self.nll_tokens)
+        require(
+            self.decode_tokens < shortest, self, "decode_tokens",
+            f"{self.decode_tokens} steps do not fit the shortest --nll-tokens ({shortest})",
+        )  # fmt: skip
 
 
 def configure(name: str, parser: argparse.ArgumentParser) -> None:
@@ -65,7 +71,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     settings = {**options, **asdict(s), "model": m.model}
     nll_path, niah_path = stem.with_suffix(".nll.json"), stem.with_suffix(".niah.json")
     ids = m.token_ids(model, tokenizer, longest, o.text)
-    reports = bounded_nll(model, ids, s, o.nll_tokens, nll_path, settings, m.allow_extrapolation)
+    reports = bounded_nll(model, ids, s, o.nll_tokens, nll_path, settings, m.allow_extrapolation, o)
     niah = run_niah(
         model, tokenizer, s, niah_path, prov, m.corpus_dir, m.allow_extrapolation, reused
     )

@@ -6,9 +6,9 @@ import argparse
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from longkv.bench.compare import compare_methods, markdown_rows
+from longkv.bench.compare import Timing, compare_methods, markdown_rows
 from longkv.caches.methods import CACHE_METHODS, BoundedOptions, describe_runs
-from longkv.checks import refused_as, require_at_least, setting
+from longkv.checks import refused_as, require, require_at_least, setting
 from longkv.cli.args import command
 from longkv.cli.common import ModelOptions, dtype_setting, require_positions
 from longkv.data.corpus import DEFAULT_TEXT
@@ -37,7 +37,7 @@ class TextOptions:
 
 
 @dataclass(frozen=True)
-class FoldOptions(BoundedOptions, TextOptions):
+class FoldOptions(BoundedOptions, TextOptions, Timing):
     """`longkv fold`: the methods compared with one full forward, and their options."""
 
     chunk_size: int = setting(1024, "fold chunk (tokens)")
@@ -48,12 +48,16 @@ class FoldOptions(BoundedOptions, TextOptions):
         "methods to run; full always runs, as the reference",
         choices=CACHE_METHODS,
     )
-    repeats: int = setting(1, "timed runs per method (median)")
     name: str | None = setting(None, "file name stem of the results (default: fold_<tokens>)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require_at_least(1, self, "chunk_size", "repeats")
+        Timing.__post_init__(self)  # TextOptions's does not go on to it
+        require_at_least(1, self, "chunk_size")
+        require(
+            self.decode_tokens < self.tokens, self, "decode_tokens",
+            f"{self.decode_tokens} steps do not fit --tokens {self.tokens}",
+        )  # fmt: skip
         require_variants(self, "variant", self.variant)
         self.bounded_configs(self.methods)
 
@@ -108,7 +112,7 @@ def run_fold(args: argparse.Namespace, argv: list[str]) -> int:
     report = compare_methods(
         model, ids, o.chunk_size, methods=tuple(o.labels(o.methods)), repeats=o.repeats,
         bounded=bounded, stream_chunk=o.stream_chunk, allow_extrapolation=m.allow_extrapolation,
-        variant=o.variant,
+        variant=o.variant, decode_tokens=o.decode_tokens,
     )  # fmt: skip
     report = {"provenance": provenance(argv), "settings": {**asdict(m), **asdict(o)}, **report}
     stem = Path(m.out_dir) / (o.name or f"fold_{o.tokens}")

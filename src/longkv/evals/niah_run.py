@@ -21,7 +21,7 @@ from torch import nn
 from tqdm import tqdm
 
 from longkv.caches.kvm_fold import KVMFoldRunner
-from longkv.caches.methods import make_runner, read_and_answer
+from longkv.caches.methods import keeps_positions, make_runner, read_and_answer
 from longkv.caches.retrieval import RetrievalRunner, check_exact_positions
 from longkv.checks import refuse, refused_as
 from longkv.evals.niah import ANSWER_BUDGET, NiahSample, answer_span, make_sample, sample_score
@@ -137,16 +137,16 @@ def check_grid(model: nn.Module, s: NiahSettings, allow_extrapolation: bool = Fa
     at its lengths; ValueError if it cannot run a method at all. Nothing is run.
 
     Full attention and the fold run past max_position_embeddings only on a RoPE model with
-    allow_extrapolation (`check_positions`); a bounded cache never needs to, and two-level
-    KVM-Fold, which keeps every token at its own position, never does."""
+    allow_extrapolation (`check_positions`); a bounded cache never needs to, and a retrieval
+    cache (two-level KVM-Fold, Quest, InfLLM), which keeps every token at its own position,
+    never does."""
     configs = s.check_runs(model, s.methods)
-    # two-level KVM-Fold keeps every token at its own position, as full attention does
-    two_level = [label for label, c in configs.items() if getattr(c, "open", 0)]
+    exact = [label for label, c in configs.items() if keeps_positions(c)]
     n = max(s.lengths)
     # the prompt (length - ANSWER_BUDGET tokens), then all but the last answer token
     needed = n - ANSWER_BUDGET + s.max_new_tokens - 1
-    if two_level:
-        with refused_as(s, "lengths", f"{two_level[0]}: {{}}"):
+    if exact:
+        with refused_as(s, "lengths", f"{exact[0]}: {{}}"):
             check_exact_positions(model, needed, f"{n} (the prompt, then the answer)")
     if {"full", "fold"} & set(s.methods):
         inserted = (
