@@ -243,3 +243,21 @@ def test_greedy_decoding_with_every_slot_open_is_the_folds() -> None:
     runner = make_runner(model, KVMFoldConfig(budget=26, sinks=2, window=16, open=8))
     assert torch.equal(bounded_generate(runner, ids, 8, 24), want)
     assert runner.seen == 60 + 24 - 1  # the last token is generated, never read
+
+
+def test_decoded_tokens_leave_the_window_an_eighth_of_it_at_a_time() -> None:
+    """A window of 16: a decoded token moves no token until 2 go together, so the leaves grow by
+    2 every other step and the window holds 15 or 16 tokens (the decoded one included)."""
+    model, ids = tiny_hf("llama"), ids_of(60)
+    runner = make_runner(model, KVMFoldConfig(budget=26, sinks=2, window=16, open=2))
+    assert isinstance(runner, TwoLevelRunner) and runner.leave_at_once == 2
+    bounded_fold(runner, ids[:, :40], 8)
+    seen = []
+    with torch.inference_mode():
+        for t in range(40, 52):
+            runner.forward(ids[:, t : t + 1])
+            leaves = runner.leaves[0]
+            assert leaves is not None
+            seen.append((len(leaves), runner.window_count))
+    assert [n for n, _ in seen] == [24, 24, 26, 26, 28, 28, 30, 30, 32, 32, 34, 34]
+    assert {w for _, w in seen} == {15, 16}

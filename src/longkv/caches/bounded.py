@@ -162,6 +162,8 @@ class BoundedRunner:
     the window (`absorb`) and what they need from attention (`hooks`, `observed`)."""
 
     method = "a bounded cache"
+    # the fewest window tokens that leave it together: 1, as many as the next chunk needs
+    leave_at_once = 1
 
     def __init__(self, model: nn.Module, config: BoundedConfig):
         self.inv_freq = check_bounded(model, config.budget, self.method)
@@ -266,6 +268,7 @@ class BoundedRunner:
         to_sinks = min(max(self.config.sinks - self.seen, 0), chunk)
         excess = self.window_count + chunk - to_sinks - room
         if excess > 0:
+            excess = min(max(excess, self.leave_at_once), self.window_count)
             first = self.seen - self.window_count
             for i in range(len(self.window_k)):
                 k, v = self.window_k[i], self.window_v[i]

@@ -10,6 +10,9 @@ by one unit (a slot, a page, a block), and each layer's attention is the method'
 entries into positions inside the budget, it keeps the sinks' and window's keys as the model
 rotated them (`keep_chunk`), so `build_cache` rotates nothing and opening every unit is the
 exact fold; a method that keeps its leaves un-rotated (InfLLM) undoes the rotation in `absorb`.
+When the window is full, its oldest tokens leave it an eighth of the window at a time (or as
+many as a chunk needs, when more): a decoded token then changes no memory until they go, and
+its window holds between seven eighths of `window` and `window` tokens.
 """
 
 from __future__ import annotations
@@ -44,6 +47,9 @@ class RetrievalRunner(BoundedRunner):
 
     def __init__(self, model: nn.Module, config: BoundedConfig, **kwargs: bool):
         super().__init__(model, config, **kwargs)
+        # decoding moves the window's oldest tokens to the memory an eighth of it at a time, so
+        # that a decoded token updates no memory (and, for two-level, no state) until they go
+        self.leave_at_once = max(1, config.window_len // 8)
         layers = model.config.num_hidden_layers
         self.leaves: list[LeafStore | None] = [None] * layers
         # per layer, of the last query of its last forward: its unit scores (B, H, U) and the

@@ -63,14 +63,18 @@ class TwoLevelRunner(RetrievalRunner, KVMFoldRunner):
 
     def __init__(self, model: nn.Module, config: KVMFoldConfig, track: bool = False):
         super().__init__(model, config, track=track)
+        layers = model.config.num_hidden_layers
         # per slot: sums of its tokens' rotated keys and of their positions (B, Hkv, S, D + 1)
-        self.slot_sums: list[Rows | None] = [None] * model.config.num_hidden_layers
+        self.slot_sums: list[Rows | None] = [None] * layers
+        # per layer: the read-outs of its slots since the last update (`middle`)
+        self.readouts: list[tuple[Tensor, Tensor] | None] = [None] * layers
 
     def absorb(self, layer: int, keys: Tensor, values: Tensor, first: int) -> None:
         """keys (rotated, as the model produced them) become leaves of the slots their
         un-rotated keys founded or joined."""
         sinks = self.unrotated(self.sink_k[layer], 0)
         dest = self.fold_in(layer, self.unrotated(keys, first), values, first, sinks)
+        self.readouts[layer] = None
         self.keep_leaves(layer, keys, values, dest)
         B, Hkv, m, _ = keys.shape
         positions = torch.arange(first, first + m, device=keys.device, dtype=torch.float64)
@@ -84,10 +88,12 @@ class TwoLevelRunner(RetrievalRunner, KVMFoldRunner):
 
     def middle(self, layer: int) -> tuple[Tensor, Tensor]:
         """The slots' read-out (`KVMFoldConfig.slot_key`): keys (B, Hkv, S, D) rotated and
-        mean values."""
-        state, sums = self.states[layer], self.slot_sums[layer]
+        mean values; kept until the slots change."""
+        state, sums, kept = self.states[layer], self.slot_sums[layer], self.readouts[layer]
         if state is None or sums is None:
             return super().middle(layer)
+        if kept is not None:
+            return kept
         dtype, count = self.window_k[layer].dtype, state.count.unsqueeze(-1)
         means = sums.tensor / count  # (B, Hkv, S, D + 1): mean rotated key, mean position
         if self.config.slot_key == "rotated":
@@ -96,7 +102,8 @@ class TwoLevelRunner(RetrievalRunner, KVMFoldRunner):
             cos, sin = angles_at(means[..., -1].reshape(-1), self.inv_freq)
             at = (*means.shape[:-1], -1)
             keys = rotate(state.key_sum.double() / count, cos.view(at), sin.view(at))
-        return keys.to(dtype), read_slots(state, "mean")[1].to(dtype)
+        kept = self.readouts[layer] = (keys.to(dtype), read_slots(state, "mean")[1].to(dtype))
+        return kept
 
     def attend(self, layer: int) -> Attend:
         """This layer's attention for the forward's queries (`routed_attention`): they rank the
