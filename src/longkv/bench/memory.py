@@ -65,14 +65,16 @@ def keep_freed_heap(keep: bool = True) -> bool:
     keep=True: large temporaries freed in one step are reused in the next instead of being
     returned to the OS and faulted in again, like a caching allocator, so CPU timings measure
     arithmetic rather than page faults (M_MMAP_THRESHOLD 1 GiB, M_TRIM_THRESHOLD 2 GiB).
-    keep=False: every block of 128 KiB or more is mapped and unmapped on its own, so the
-    resident set follows live memory (what `peak_memory` reads).
+    keep=False: every block of a page (4 KiB) or more is mapped and unmapped on its own, so the
+    resident set follows live memory (what `peak_memory` reads): a call whose blocks were all
+    served from pages the heap already held would raise no high-water mark at all, which a
+    threshold of 128 KiB allowed for a call of small tensors.
     """
     global _heap_kept
     mallopt = _libc_function("mallopt")
     if mallopt is None:
         return False
-    mmap, trim = (2**30, 2**31) if keep else (2**17, 2**17)
+    mmap, trim = (2**30, 2**31) if keep else (2**12, 2**17)
     ok = bool(mallopt(_M_MMAP_THRESHOLD, mmap)) and bool(mallopt(_M_TRIM_THRESHOLD, trim))
     _heap_kept = keep and ok
     return ok
