@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import assert_close, assert_same_state, make_inputs
-from longkv.attention.core import KeySet, _attend_concatenated, attend_key_sets
+from longkv.attention.core import KeySet, _attend_concatenated, attend_key_sets, attend_key_sets_lse
 from longkv.attention.state import Rows
 from longkv.kvm import KVMConfig, KVMDecoder, decode_attend, kvm_attention
 
@@ -28,15 +28,19 @@ def key_sets(G: int, Lq: int, Dk: int, Dv: int, seed: int = 0) -> list[KeySet]:
 def test_fused_key_sets_equal_one_concatenated_softmax(G: int, Lq: int, Dk: int, Dv: int) -> None:
     sets = key_sets(G, Lq, Dk, Dv)
     with torch.no_grad():
-        fused = attend_key_sets(sets)
+        fused, fused_lse = attend_key_sets_lse(sets)
     # the same logits written out: one softmax over both sets, the future keys at -inf
     logits = [s.q @ s.k.unsqueeze(2).transpose(-1, -2) for s in sets]
     future = torch.ones(Lq, Lq, dtype=torch.bool).triu(1)
     logits[1][..., -Lq:] = logits[1][..., -Lq:].masked_fill(future, float("-inf"))
-    probs = torch.softmax(torch.cat(logits, dim=-1), dim=-1)
+    every = torch.cat(logits, dim=-1)  # (2, 3, G, Lq, Lk)
+    probs = torch.softmax(every, dim=-1)
     values = torch.cat([s.v for s in sets], dim=2).unsqueeze(2)
-    assert_close(fused, probs @ values)
-    assert_close(_attend_concatenated(sets), probs @ values)
+    lse = every.logsumexp(-1).reshape(2, 3, G * Lq)
+    concatenated, concatenated_lse = _attend_concatenated(sets)
+    for out, at in ((fused, fused_lse), (concatenated, concatenated_lse)):
+        assert_close(out, probs @ values)
+        assert_close(at, lse)
 
 
 def test_key_sets_keep_gradients() -> None:

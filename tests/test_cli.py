@@ -806,8 +806,8 @@ def test_bounded_puts_two_level_runs_on_the_page_with_their_leaves_and_routes(
     argv = [
         "bounded", "--model", tiny_model, "--nll-tokens", "150", "300", "--tasks", "passkey",
         "--lengths", "300", "--depths", "0.5", "--methods", "full", "kvm-fold", "--budgets",
-        "64", "--window", "32", "--stream-chunk", "16", "--kvm-open", "0", "8",
-        "--kvm-leaves", "exact", "int8", "--only", "full", "kvm-fold/fixed@64",
+        "64", "--window", "32", "--stream-chunk", "16", "--kvm-open", "0", "8", "--leaf-budget",
+        "64", "--kvm-leaves", "exact", "int8", "--only", "full", "kvm-fold/fixed@64",
         "kvm-fold/fixed/open8@64", "kvm-fold/fixed/open8/int8@64", "--max-new-tokens", "2",
         "--out-dir", str(tmp_path), "--name", "b",
     ]  # fmt: skip

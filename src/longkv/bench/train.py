@@ -123,7 +123,10 @@ def step_seconds(run: TrainRun, rows: Tensor) -> float:
 
 
 def measured_peak(train_run: TrainRun, rows: Tensor) -> int | None:
-    """Peak memory (bytes) of one training step on rows (`peak_memory`)."""
+    """Peak memory (bytes) of one training step on rows (`peak_memory`), its gradients counted:
+    the last step's are freed before the measurement, or the step would free them first and its
+    rise above the level before it would miss memory it reuses."""
+    train_run.optimizer.zero_grad(set_to_none=True)
     return peak_memory(lambda: step_seconds(train_run, rows), rows.device)[1]
 
 
