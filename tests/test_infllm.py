@@ -55,12 +55,12 @@ def test_a_forwards_attention_and_the_attention_received_are_the_per_query_refer
         inner = attend(layer)
         store, reps = runner.leaves[layer], runner.reps[layer]
         assert store is not None and reps is not None
-        before = runner.received[layer]
+        before, (sinks, _, window) = runner.received[layer], runner.parts(layer)
 
         def run(q: Tensor, keys: Tensor, values: Tensor, scale: float) -> Tensor:
             every = store.gather(None, torch.float64)
             out = inner(q, keys, values, scale)
-            seen[layer] = (q, keys, values, scale, every, reps, before, out)
+            seen[layer] = (q, keys, values, scale, every, reps, before, out, sinks, window)
             return out
 
         return run
@@ -69,8 +69,9 @@ def test_a_forwards_attention_and_the_attention_received_are_the_per_query_refer
     with torch.inference_mode():  # as every read
         runner.forward(ids[:, 90:])
     layer = 1
-    q, keys, values, scale, every, reps, before, out = seen[layer]
-    L, W = chunk, keys.shape[2] - 2 - chunk
+    q, keys, values, scale, every, reps, before, out, sinks, window = seen[layer]
+    L, W = chunk, window.keys.shape[2]
+    assert keys.shape[2] == L  # the model's cache holds the chunk alone
     positions = torch.arange(90, 90 + L)
     cos, sin = angles_at(15 - positions, runner.inv_freq)
     q_mem = rotate(q, cos, sin)  # every query at window - 1
@@ -82,17 +83,17 @@ def test_a_forwards_attention_and_the_attention_received_are_the_per_query_refer
         rtol=0, atol=TOL,
     )  # fmt: skip
     cos0, sin0 = angles_at(-torch.arange(2), runner.inv_freq)
-    sinks_k = rotate(keys[:, :, :2], cos0, sin0)  # the initial tokens without their rotation
+    sinks_k = rotate(sinks.keys, cos0, sin0)  # the initial tokens without their rotation
     for b in range(2):
         chosen = set(top_units_naive(score[b], 2)) | {u for u in range(full, 99)}
         mine = [j for j in range(every.keys.shape[2]) if int(every.owner[b, 0, j]) in chosen]
         entries = {
             "memory": (
                 torch.cat([sinks_k[b : b + 1], every.keys[b : b + 1, :, mine]], dim=2),
-                torch.cat([values[b : b + 1, :, :2], every.values[b : b + 1, :, mine]], dim=2),
+                torch.cat([sinks.values[b : b + 1], every.values[b : b + 1, :, mine]], dim=2),
             ),
-            "window": (keys[b : b + 1, :, 2 : 2 + W], values[b : b + 1, :, 2 : 2 + W]),
-            "chunk": (keys[b : b + 1, :, 2 + W :], values[b : b + 1, :, 2 + W :]),
+            "window": (window.keys[b : b + 1], window.values[b : b + 1]),
+            "chunk": (keys[b : b + 1], values[b : b + 1]),
         }
         want, received = infllm_attention_naive(q[b : b + 1], q_mem[b : b + 1], entries, scale)
         torch.testing.assert_close(out[b : b + 1], want, rtol=0, atol=TOL)

@@ -50,11 +50,11 @@ def test_a_layers_pages_and_attention_are_the_per_query_references(routing: str)
     runner = make_runner(model, config)
     assert isinstance(runner, QuestRunner)
     bounded_fold(runner, ids, 8)
-    layer = runner.cache.layers[1]  # the last forward's [sinks | window | chunk]
+    layer = runner.cache.layers[1]  # the last forward's chunk
     keys, values = layer.keys, layer.values
     leaves = runner.leaves[1]
     assert leaves is not None
-    L, N = 3, keys.shape[2]
+    L = keys.shape[2]  # the last chunk's tokens
     q = torch.randn(2, 4, L, keys.shape[-1], generator=torch.Generator().manual_seed(2)).double()
     got = runner.attend(1)(q, keys, values, 0.3)
     every = leaves.gather(None, torch.float64)
@@ -72,8 +72,8 @@ def test_a_layers_pages_and_attention_are_the_per_query_references(routing: str)
             for h in range(4):
                 for t in range(L):
                     opened[b, h, t, top_units_naive(scores[b, h, t], 3)] = True
-    spans = {"sinks": (0, 2), "window": (2, N - L), "chunk": (N - L, N)}
-    entries = {name: (keys[:, :, a:b], values[:, :, a:b]) for name, (a, b) in spans.items()}
+    sinks, _, window = runner.parts(1)
+    entries = {"sinks": sinks, "window": window, "chunk": (keys, values)}
     entries["leaves"] = (every.keys, every.values)
     want = routed_attention_naive(q, entries, None, every.owner, opened, 0.3)
     torch.testing.assert_close(got, want, rtol=0, atol=TOL)

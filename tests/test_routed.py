@@ -13,6 +13,7 @@ from conftest import TOL
 from longkv.caches.leaves import Gathered, make_leaves
 from longkv.caches.naive import block_units_naive, routed_attention_naive, top_units_naive
 from longkv.caches.routed import (
+    Part,
     attended_entries,
     block_units,
     grouped,
@@ -55,18 +56,15 @@ def rank_of(q: Tensor, entries: Entries, count: Tensor) -> Tensor:
 def fast(
     q: Tensor, entries: Entries, count: Tensor | None, owner: Tensor, opened: Tensor
 ) -> Tensor:  # fmt: skip
-    """routed_attention over the model's cache [sinks | read-outs | window | chunk] and the
+    """routed_attention over the bounded part (sinks, read-outs, window), the chunk and the
     leaves of the opened units, gathered from a leaf store."""
-    order = (
-        ("sinks", "slots", "window", "chunk") if count is not None else ("sinks", "window", "chunk")
-    )
-    keys = torch.cat([entries[n][0] for n in order], dim=2)
-    values = torch.cat([entries[n][1] for n in order], dim=2)
+    sinks, window, chunk = (Part(*entries[n]) for n in ("sinks", "window", "chunk"))
+    readouts = None if count is None else Part(*entries["slots"])
     leaf_k, leaf_v = entries["leaves"]
     store = make_leaves("exact", leaf_k, leaf_v)
     store.append(leaf_k, leaf_v, owner)
     got = store.gather(opened.any(2), torch.float64)
-    return routed_attention(q, keys, values, SINKS, count, opened, got, SCALE)
+    return routed_attention(q, sinks, readouts, window, chunk, count, opened, got, SCALE)
 
 
 def per_head(opened: Tensor) -> Tensor:

@@ -316,8 +316,8 @@ class BoundedRunner:
         """Logits (B, L, V) of ids (B, L) at the next cache indices, after making room."""
         B, L = ids.shape
         to_sinks = self.make_room(L)
-        n, first = self.entry_count, self.position
         cache = self.build_cache()
+        n, first = cache.get_seq_length(), self.position
         pos = torch.arange(first, first + L, device=ids.device).expand(B, L)
         hooks = self.hooks(L)
         self.count_attended(n, L)

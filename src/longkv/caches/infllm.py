@@ -37,9 +37,9 @@ from longkv.attention.state import tensor_bytes
 from longkv.caches.bounded import BoundedConfig
 from longkv.caches.leaves import Gathered
 from longkv.caches.retrieval import RetrievalRunner
-from longkv.caches.routed import attended_entries, grouped, top_units
+from longkv.caches.routed import Part, attended_entries, grouped, top_units
 from longkv.checks import require_at_least, setting
-from longkv.fold.attention import Attend, AttentionHooks
+from longkv.fold.attention import Attend
 
 
 @dataclass(frozen=True)
@@ -129,35 +129,38 @@ class InfLLMRunner(RetrievalRunner):
         the partial one; the queries at their own positions attend the window; one softmax.
         Keeps the attention the window and chunk tokens received (`received`)."""
         config, first = self.config, self.seen
-        sinks = self.sink_k[layer].shape[2] if self.seen else 0
+        parts = self.parts(layer) if self.seen else None
 
         def attend(q: Tensor, keys: Tensor, values: Tensor, scale: float) -> Tensor:
             B, H, L, D = q.shape
-            Hkv, N = keys.shape[1], keys.shape[2]
+            Hkv = keys.shape[1]
+            none = Part(keys[:, :, :0], values[:, :, :0])
+            sinks, _, recent = (none, none, none) if parts is None else parts
             to_sinks = min(max(config.sinks - first, 0), L)  # the chunk's tokens that become sinks
             G, high = H // Hkv, torch.promote_types(q.dtype, torch.float32)
             ahead = torch.arange(first, first + L, device=q.device)
             cos, sin = angles_at(config.window_len - 1 - ahead, self.inv_freq)
             q_mem = rotate(q.double(), cos, sin).to(high)  # each query at window - 1
             q_g = (grouped(q.to(high), Hkv) * scale).view(B, Hkv, G, L, D)
-            memory_k = self.unrotated(keys[:, :, :sinks], 0).to(high)
-            memory_v = values[:, :, :sinks].to(high)
+            memory_k = self.unrotated(sinks.keys, 0).to(high)
+            memory_v = sinks.values.to(high)
             opened, count, got = self.retrieve(layer, q_mem)
             if got is not None:
                 memory_k = torch.cat([memory_k, got.keys], dim=2)
                 memory_v = torch.cat([memory_v, got.values], dim=2)
-            local_k, local_v = keys[:, :, sinks:].to(high), values[:, :, sinks:].to(high)
-            W = N - sinks - L
+            window_k, window_v = recent.keys.to(high), recent.values.to(high)
+            chunk_k = keys.to(high)
             sets = [
-                KeySet(q_g, local_k[:, :, :W], local_v[:, :, :W]),
-                KeySet(q_g, local_k[:, :, W:], local_v[:, :, W:], causal=True),
+                KeySet(q_g, window_k, window_v),
+                KeySet(q_g, chunk_k, values.to(high), causal=True),
             ]
             if memory_k.shape[2]:
                 mem_q = (grouped(q_mem, Hkv) * scale).view(B, Hkv, G, L, D)
                 sets.append(KeySet(mem_q, memory_k, memory_v))
             out, lse = attend_key_sets_lse([s for s in sets if s.k.shape[2]])
-            self.receive(layer, q_g, local_k, lse, W, to_sinks)
-            self.tally(attended_entries(opened, count, sinks, W, L, readouts=False))
+            W = window_k.shape[2]
+            self.receive(layer, q_g, torch.cat([window_k, chunk_k], dim=2), lse, W, to_sinks)
+            self.tally(attended_entries(opened, count, sinks.keys.shape[2], W, L, False))
             return out.reshape(B, H, L, -1).to(q.dtype)
 
         return attend
@@ -201,13 +204,10 @@ class InfLLMRunner(RetrievalRunner):
         old = mass[:, :, :W] if held is None else held + mass[:, :, :W]
         self.received[layer] = torch.cat([old, mass[:, :, W + to_sinks :]], dim=2)
 
-    def hooks(self, chunk: int) -> AttentionHooks | None:
+    def routes(self) -> bool:
         """InfLLM's attention from the first chunk on: the window's tokens need the attention
         they receive before any of them leaves."""
-        return AttentionHooks(attend=[self.attend(i) for i in range(len(self.leaves))])
-
-    def count_attended(self, entries: int, L: int) -> None:
-        """Each layer's attention counts per query head."""
+        return True
 
     def middle_bytes(self) -> int:
         """The attention received, the newest memory tokens and the representatives."""

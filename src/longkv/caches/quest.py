@@ -30,6 +30,7 @@ from longkv.caches.bounded import BoundedConfig
 from longkv.caches.retrieval import RetrievalRunner
 from longkv.caches.routed import (
     ROUTINGS,
+    Part,
     attended_entries,
     block_units,
     grouped,
@@ -136,7 +137,7 @@ class QuestRunner(RetrievalRunner):
         store, bounds, config = self.leaves[layer], self.bounds[layer], self.config
         assert store is not None and bounds is not None
         count = self.page_counts(layer)
-        sinks = self.sink_k[layer].shape[2]
+        sinks, _, recent = self.parts(layer)
 
         def attend(q: Tensor, keys: Tensor, values: Tensor, scale: float) -> Tensor:
             L, Hkv = q.shape[2], keys.shape[1]
@@ -151,10 +152,11 @@ class QuestRunner(RetrievalRunner):
             else:
                 opened = top_units(rank, config.open)
             self.remember(layer, last_query(rank, G, L), last_query(opened, G, L))
-            window = keys.shape[2] - sinks - L
-            self.tally(attended_entries(opened, count, sinks, window, L, readouts=False))
+            window = recent.keys.shape[2]
+            self.tally(attended_entries(opened, count, sinks.keys.shape[2], window, L, False))
             got = store.gather(opened.any(2), high)
-            return routed_attention(q, keys, values, sinks, None, opened, got, scale)
+            chunk = Part(keys, values)
+            return routed_attention(q, sinks, None, recent, chunk, None, opened, got, scale)
 
         return attend
 

@@ -2,14 +2,17 @@
 it, and each query attending the sinks, the window and the tokens of the units it opens.
 
 `RetrievalRunner` is the cache the retrieval methods share (two-level KVM-Fold,
-`caches.two_level`; Quest, `caches.quest`; InfLLM, `caches.infllm`): the model's cache holds
-the bounded part [sinks | middle | window] (the middle: two-level's slot read-outs, empty for
-the others), the tokens that left the window are leaves of a `LeafStore` per layer, each owned
-by one unit (a slot, a page, a block), and each layer's attention is the method's
-(`attend`, through `longkv.caches.routed`). Unlike the bounded caches, which re-rotate their
-entries into positions inside the budget, it keeps the sinks' and window's keys as the model
-rotated them (`keep_chunk`), so `build_cache` rotates nothing and opening every unit is the
-exact fold; a method that keeps its leaves un-rotated (InfLLM) undoes the rotation in `absorb`.
+`caches.two_level`; Quest, `caches.quest`; InfLLM, `caches.infllm`). It keeps a bounded part
+[sinks | middle | window] per layer (the middle: two-level's slot read-outs, empty for the
+others), the model's cache until tokens leave the window; the tokens that left it are leaves
+of a `LeafStore` per layer, each owned by one unit (a slot, a page, a block). From then on each
+layer's attention is the method's (`attend`, through `longkv.caches.routed`), which reads the
+bounded part from the runner (`parts`) while the model's cache holds the chunk alone, so a
+decoded token copies the bounded part once per layer rather than into the model's cache and
+again into its attention. Unlike the bounded caches, which re-rotate their entries into
+positions inside the budget, it keeps the sinks' and window's keys as the model rotated them
+(`keep_chunk`), so `build_cache` rotates nothing and opening every unit is the exact fold; a
+method that keeps its leaves un-rotated (InfLLM) undoes the rotation in `absorb`.
 When the window is full, its oldest tokens leave it an eighth of the window at a time (or as
 many as a chunk needs, when more): a decoded token then changes no memory until they go, and
 its window holds between seven eighths of `window` and `window` tokens.
@@ -24,6 +27,7 @@ from transformers import DynamicCache
 from longkv.attention.rope import angles_at, rotate
 from longkv.caches.bounded import BoundedConfig, BoundedRunner
 from longkv.caches.leaves import LeafStore, make_leaves
+from longkv.caches.routed import Part
 from longkv.fold.attention import Attend, AttentionHooks
 from longkv.fold.fold import check_positions
 
@@ -80,7 +84,8 @@ class RetrievalRunner(BoundedRunner):
         return store
 
     def attend(self, layer: int) -> Attend:
-        """This layer's attention for the next forward's queries."""
+        """This layer's attention for the next forward's queries, given the chunk's keys and
+        values (the model's cache holds nothing else, `build_cache`)."""
         raise NotImplementedError
 
     def remember(self, layer: int, scores: Tensor, opened: Tensor) -> None:
@@ -88,10 +93,24 @@ class RetrievalRunner(BoundedRunner):
         layer's forward (`routed.last_query`)."""
         self.last_scores[layer], self.last_opened[layer] = scores, opened
 
+    def routes(self) -> bool:
+        """Whether the next forward runs the method's attention (`attend`): once tokens have left
+        the window."""
+        return self.leaves[0] is not None
+
+    def parts(self, layer: int) -> tuple[Part, Part, Part]:
+        """The layer's bounded part: sinks, middle and window, keys as rotated (B, Hkv, n, D)."""
+        return (
+            Part(self.sink_k[layer], self.sink_v[layer]), Part(*self.middle(layer)),
+            Part(self.window_k[layer], self.window_v[layer]),
+        )  # fmt: skip
+
     def build_cache(self) -> DynamicCache:
-        """Every layer's bounded part [sinks | middle | window], as rotated."""
+        """Every layer's bounded part [sinks | middle | window], as rotated; nothing while the
+        cache routes: each layer's `attend` reads the part from the runner (`parts`), and the
+        model's cache holds the chunk alone."""
         cache = DynamicCache()
-        if self.seen == 0:
+        if self.seen == 0 or self.routes():
             return cache
         for i in range(len(self.sink_k)):
             mid_k, mid_v = self.middle(i)
@@ -105,13 +124,13 @@ class RetrievalRunner(BoundedRunner):
             self.keep(i, layer.keys[:, :, n:], layer.values[:, :, n:], to_sinks)
 
     def hooks(self, chunk: int) -> AttentionHooks | None:
-        if self.leaves[0] is None:
-            return None  # nothing has left the window: plain attention
+        if not self.routes():
+            return None  # plain attention
         return AttentionHooks(attend=[self.attend(i) for i in range(len(self.leaves))])
 
     def count_attended(self, entries: int, L: int) -> None:
-        """Once tokens have left the window, each layer's attention counts per query head."""
-        if self.leaves[0] is None:
+        """While the cache routes, each layer's attention counts per query head."""
+        if not self.routes():
             super().count_attended(entries, L)
 
     def needle_route(self, start: int, stop: int) -> dict[str, float]:

@@ -2,26 +2,28 @@
 KVM-Fold's slots, InfLLM's blocks, Quest's pages), and each query attending the tokens of the
 units it opens.
 
-Per layer and KV head the model's cache holds a bounded part [sinks | read-outs | window], the
-chunk being read after it; the tokens that left the window are leaves of a `LeafStore`, each
-owned by one of U units. A query attends in one softmax the sinks, the window (causally within
-the chunk), the leaves of the units it opens and, where the method keeps one read-out per unit
-(two-level KVM-Fold), the read-outs of the units it leaves closed, each weighted as its count
-of tokens (logit + log count). An opened unit's read-out is left out: its leaves stand for it.
+Per layer and KV head a retrieval cache holds a bounded part [sinks | read-outs | window]; the
+tokens that left the window are leaves of a `LeafStore`, each owned by one of U units. A query
+attends in one softmax the sinks, the window, the chunk being read (causally), the leaves of
+the units it opens and, where the method keeps one read-out per unit (two-level KVM-Fold), the
+read-outs of the units it leaves closed, each weighted as its count of tokens (logit + log
+count). An opened unit's read-out is left out: its leaves stand for it.
 
 Who opens what is a mask `opened` (B, Hkv, R, U):
 - per token (R = G * L, the rows of the queries grouped by KV head, (G, L) heads first): each
   query head and query opens its k best units by a score (`top_units`);
 - per block (R = 1): every query head and query of a forward opens the same units, those some
   of them gives the largest shares of its attention, within a budget of leaves (`block_units`).
-`routed_attention` gathers the opened units' leaves and attends through torch's fused kernel
-(`attend_key_sets`): [sinks | read-outs | leaves | window before the chunk] with an additive
-bias per row as one key set, the chunk causally as another, merged by their log-sum-exp; it
-never forms a logit for a leaf of a unit no row opened. `naive.routed_attention_naive` writes
-the same out per query and head.
+`routed_attention` attends, through torch's fused kernel (`attend_key_sets`), the opened units'
+leaves and the bounded part, copied once into [sinks | read-outs | leaves | window before the
+chunk] with an additive bias per row, as one key set, the chunk causally as another, merged by
+their log-sum-exp; it never forms a logit for a leaf of a unit no row opened.
+`naive.routed_attention_naive` writes the same out per query and head.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -99,29 +101,34 @@ def routed_bias(
     return torch.cat(parts, dim=-1)
 
 
+class Part(NamedTuple):
+    """Keys (B, Hkv, n, D) and values (B, Hkv, n, Dv) of one part of what a query attends."""
+
+    keys: Tensor
+    values: Tensor
+
+
 def routed_attention(
-    q: Tensor, keys: Tensor, values: Tensor, sinks: int, count: Tensor | None,
-    opened: Tensor, got: Gathered, scale: float,
+    q: Tensor, sinks: Part, readouts: Part | None, window: Part, chunk: Part,
+    count: Tensor | None, opened: Tensor, got: Gathered, scale: float,
 ) -> Tensor:  # fmt: skip
-    """Attention of q (B, H, L, D) over the model's cache keys (B, Hkv, N, D), values (B, Hkv,
-    N, Dv) = [sinks | S read-outs | window | the L queries' own tokens] and the leaves `got` of
-    the units opened (B, Hkv, R, U) opens (R = 1 or G * L, module docstring), in one softmax.
-    count (B, Hkv, U): each unit's tokens, its read-out's weight (S = U); None: no read-outs
-    (S = 0). Returns (B, H, L, Dv) in q's dtype (computed in at least float32)."""
+    """Attention of q (B, H, L, D) over the sinks, the units' read-outs (S = U of them, each
+    weighted as its count (B, Hkv, U) of tokens; None, with count None: no read-outs), the
+    window before the chunk, the L queries' own tokens `chunk` (causally) and the leaves `got`
+    of the units `opened` (B, Hkv, R, U) opens (R = 1 or G * L, module docstring), in one
+    softmax. Returns (B, H, L, Dv) in q's dtype (computed in at least float32)."""
     B, H, L, D = q.shape
-    Hkv, N = keys.shape[1], keys.shape[2]
+    Hkv = chunk.keys.shape[1]
     high = torch.promote_types(q.dtype, torch.float32)
-    keys, values = keys.to(high), values.to(high)
     qg = (q.to(high) * scale).view(B, Hkv, H // Hkv, L, D)
-    cut = sinks + (0 if count is None else count.shape[-1])  # the leaves go after the read-outs
-    got = Gathered(got.keys.to(high), got.values.to(high), got.owner, got.valid)
-    bias = routed_bias(opened, count, got, sinks, N - L - cut)
+    bias = routed_bias(opened, count, got, sinks.keys.shape[2], window.keys.shape[2])
     if bias is not None and bias.shape[2] == 1:  # one row for all: the kernel broadcasts it
         bias = bias[:, :, 0]
-    sets = [KeySet(qg, keys[:, :, N - L :], values[:, :, N - L :], causal=True)]  # the chunk
-    if N - L + got.keys.shape[2]:  # what came before it
-        k = torch.cat([keys[:, :, :cut], got.keys, keys[:, :, cut : N - L]], dim=2)
-        v = torch.cat([values[:, :, :cut], got.values, values[:, :, cut : N - L]], dim=2)
+    sets = [KeySet(qg, chunk.keys.to(high), chunk.values.to(high), causal=True)]
+    before = [sinks, *([] if readouts is None else [readouts]), Part(got.keys, got.values), window]
+    if sum(p.keys.shape[2] for p in before):  # one copy of what came before the chunk
+        k = torch.cat([p.keys.to(high) for p in before], dim=2)
+        v = torch.cat([p.values.to(high) for p in before], dim=2)
         sets.insert(0, KeySet(qg, k, v, bias=bias))
     return attend_key_sets(sets).reshape(B, H, L, -1).to(q.dtype)
 

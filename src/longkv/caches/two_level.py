@@ -35,6 +35,7 @@ from longkv.caches.kvm_fold import KVMFoldConfig, KVMFoldRunner
 from longkv.caches.kvm_state import read_slots
 from longkv.caches.retrieval import RetrievalRunner
 from longkv.caches.routed import (
+    Part,
     attended_entries,
     block_units,
     grouped,
@@ -107,29 +108,29 @@ class TwoLevelRunner(RetrievalRunner, KVMFoldRunner):
 
     def attend(self, layer: int) -> Attend:
         """This layer's attention for the forward's queries (`routed_attention`): they rank the
-        slots on the read-outs the cache holds (entries sinks .. sinks + S - 1) and open their
-        best, per block (`block_units`: a prefill chunk, by `config.routing`) or each query
-        head its own (`top_units`: a decoded token, or every forward by `config.routing`)."""
-        state, leaves = self.states[layer], self.leaves[layer]
+        slots on their read-outs (`middle`) and open their best, per block (`block_units`: a
+        prefill chunk, by `config.routing`) or each query head its own (`top_units`: a decoded
+        token, or every forward by `config.routing`)."""
+        state, leaves, config = self.states[layer], self.leaves[layer], self.config
         assert state is not None and leaves is not None
-        sinks, S, config = self.sink_k[layer].shape[2], state.num_slots, self.config
+        sinks, readouts, recent = self.parts(layer)
 
         def attend(q: Tensor, keys: Tensor, values: Tensor, scale: float) -> Tensor:
             L, Hkv = q.shape[2], keys.shape[1]
             G = q.shape[1] // Hkv
             high = torch.promote_types(q.dtype, torch.float32)
             count = state.count.to(high)
-            slot_k = keys[:, :, sinks : sinks + S].to(high)
-            rank = slot_scores(grouped(q.to(high), Hkv), slot_k, count, scale)
+            rank = slot_scores(grouped(q.to(high), Hkv), readouts.keys.to(high), count, scale)
             if L > 1 and config.routing == "block":
                 opened = block_units(rank, count, config.leaf_budget)
             else:
                 opened = top_units(rank, config.open)
             self.remember(layer, last_query(rank, G, L), last_query(opened, G, L))
-            window = keys.shape[2] - sinks - S - L
-            self.tally(attended_entries(opened, count, sinks, window, L, readouts=True))
+            window = recent.keys.shape[2]
+            self.tally(attended_entries(opened, count, sinks.keys.shape[2], window, L, True))
             got = leaves.gather(opened.any(2), high)
-            return routed_attention(q, keys, values, sinks, count, opened, got, scale)
+            chunk = Part(keys, values)
+            return routed_attention(q, sinks, readouts, recent, chunk, count, opened, got, scale)
 
         return attend
 
