@@ -50,7 +50,12 @@ def slot_scores(q: Tensor, slot_k: Tensor, count: Tensor, scale: float) -> Tenso
     """(B, Hkv, R, S): scale * q . slot_k + log(count) for the rows q (B, Hkv, R, D) of each KV
     head's query heads (`routed.grouped`) against its slots' read-out keys slot_k (B, Hkv, S, D),
     count (B, Hkv, S) tokens per slot."""
-    return scale * (q @ slot_k.transpose(-1, -2)) + count.log().unsqueeze(2)
+    B, Hkv, R, D = q.shape
+    S = slot_k.shape[2]
+    bias = count.log().reshape(B * Hkv, 1, S)
+    flat_k = slot_k.reshape(B * Hkv, S, D).transpose(1, 2)
+    rank = torch.baddbmm(bias, q.reshape(B * Hkv, R, D), flat_k, alpha=scale)  # one pass
+    return rank.view(B, Hkv, R, S)
 
 
 class TwoLevelRunner(RetrievalRunner, KVMFoldRunner):
