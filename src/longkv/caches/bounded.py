@@ -174,7 +174,9 @@ class BoundedRunner:
         self.window_k: list[Tensor] = [torch.empty(0)] * layers  # (B, Hkv, <= window, D)
         self.window_v: list[Tensor] = [torch.empty(0)] * layers
         self.seen = 0  # input tokens read
-        self.cache = DynamicCache()  # the entries and chunk of the last forward, rotated
+        # the entries and chunk of the last forward, rotated (a routing retrieval cache's: the
+        # chunk alone)
+        self.cache = DynamicCache()
         # per forward (and layer, where heads differ): first position, queries, share sum, max
         self.attended: list[tuple[int, int, float, float]] = []
 
@@ -341,7 +343,7 @@ def bounded_fold(
     desc: str | None = None,
 ) -> FoldResult:
     """Feed input_ids (B, T) through a bounded runner chunk by chunk; nll and logits as for
-    `kv_fold` (the result's cache: the entries and chunk of the last forward); desc labels the
+    `kv_fold` (the result's cache: the runner's `cache` after the last forward); desc labels the
     progress bar (default: the runner's method)."""
     check_input(input_ids, chunk_size)
     runner.check_room(input_ids.shape[1])

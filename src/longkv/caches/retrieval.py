@@ -5,14 +5,15 @@ it, and each query attending the sinks, the window and the tokens of the units i
 `caches.two_level`; Quest, `caches.quest`; InfLLM, `caches.infllm`). It keeps a bounded part
 [sinks | middle | window] per layer (the middle: two-level's slot read-outs, empty for the
 others), the model's cache until tokens leave the window; the tokens that left it are leaves
-of a `LeafStore` per layer, each owned by one unit (a slot, a page, a block). From then on each
-layer's attention is the method's (`attend`, through `longkv.caches.routed`), which reads the
-bounded part from the runner (`parts`) while the model's cache holds the chunk alone, so a
-decoded token copies the bounded part once per layer rather than into the model's cache and
-again into its attention. Unlike the bounded caches, which re-rotate their entries into
-positions inside the budget, it keeps the sinks' and window's keys as the model rotated them
-(`keep_chunk`), so `build_cache` rotates nothing and opening every unit is the exact fold; a
-method that keeps its leaves un-rotated (InfLLM) undoes the rotation in `absorb`.
+of a `LeafStore` per layer, each owned by one unit (a slot, a page, a block). From then on (for
+InfLLM from the first chunk, `routes`) each layer's attention is the method's (`attend`,
+through `longkv.caches.routed`), which reads the bounded part from the runner (`parts`) while
+the model's cache holds the chunk alone, so a decoded token copies the bounded part once per
+layer rather than into the model's cache and again into its attention. Unlike the bounded
+caches, which re-rotate their entries into positions inside the budget, it keeps the sinks'
+and window's keys as the model rotated them (`keep_chunk`), so `build_cache` rotates nothing
+and opening every unit is the exact fold; a method that keeps its leaves un-rotated (InfLLM)
+undoes the rotation in `absorb`.
 When the window is full, its oldest tokens leave it an eighth of the window at a time (or as
 many as a chunk needs, when more): a decoded token then changes no memory until they go, and
 its window holds between seven eighths of `window` and `window` tokens.
