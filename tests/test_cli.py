@@ -21,7 +21,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
 
 from conftest import over_tokenizer, tiny_hf_config
-from longkv.bench.bounded import FATES, fate_rows, route_rows
+from longkv.bench.bounded import FATES, fate_rows, miss_rows, route_rows
 from longkv.bench.kvm import BenchSettings
 from longkv.bench.train import TrainBenchSettings
 from longkv.cli import common
@@ -433,6 +433,25 @@ def test_the_route_table_ranks_only_the_samples_whose_answer_left_the_window() -
     ]
 
 
+def test_the_miss_table_lists_each_miss_where_full_attention_answered() -> None:
+    def record(
+        method: str, depth: float, score: float, route: dict[str, float] | None = None
+    ) -> NiahRecord:
+        return NiahRecord("t", 100, depth, 0, method, ["1"], " 7 ", [], score, 1.0, route)
+
+    route = {"left": 1.0, "routed": 0.5, "slot_rank": 12.0}
+    rows = miss_rows(
+        [
+            record("full", 0.25, 1.0), record("full", 0.75, 0.0),
+            record("q@64", 0.25, 0.0, route),  # missed where full answered: listed
+            record("q@64", 0.75, 0.0, route),  # full missed it too
+            record("k@64", 0.25, 1.0, route),  # answered
+            record("s@64", 0.25, 0.0),  # no routes: not a retrieval cache
+        ]
+    )  # fmt: skip
+    assert rows[2:] == ["| q@64 | t | 100 | 0.25 | 0 | '7' | 100.0 % | 50.0 % | 12 |"]
+
+
 def test_niah_with_fold_and_full_says_whether_they_agree(
     tiny_model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -822,5 +841,5 @@ def test_bounded_puts_two_level_runs_on_the_page_with_their_leaves_and_routes(
     assert exact["cache_bytes"] == int8["cache_bytes"]  # the same bounded part
     assert exact["attended_share"] < 1 and runs["full"]["attended_share"] == 1
     page = (tmp_path / "b.md").read_text()
-    assert "## How two-level KVM-Fold routed to the needles' answer tokens" in page
+    assert "## How the retrieval caches routed to the needles' answer tokens" in page
     assert "| kvm-fold/fixed/open8/int8@64 |" in page.split("routed to the needles")[1]

@@ -123,22 +123,42 @@ def fate_rows(records: list[NiahRecord]) -> list[str]:
     return markdown_table(header, rows, "<<>" + ">" * (len(FATES) + 1))
 
 
+def route_cells(routes: list[dict[str, float]]) -> list[str]:
+    """Over needle routes (`RetrievalRunner.needle_route`): the share of answer tokens that had
+    left the window, of those the share routed, and the median of their units' median ranks."""
+    left = sum(x["left"] for x in routes) / len(routes)
+    gone = [x for x in routes if "routed" in x]  # some answer tokens had left the window
+    routed = f"{100 * sum(x['routed'] for x in gone) / len(gone):.1f} %" if gone else "-"
+    ranks = sorted(x["slot_rank"] for x in gone)
+    return [f"{100 * left:.1f} %", routed, f"{ranks[len(ranks) // 2]:g}" if ranks else "-"]
+
+
+ROUTE_HEADER = ["left the window", "routed", "unit rank"]
+
+
 def route_rows(records: list[NiahRecord]) -> list[str]:
-    """Markdown: how two-level KVM-Fold's last prompt query routed to the answer's tokens
-    (`TwoLevelRunner.needle_route`), over the samples each run answered right and those it
-    missed: the share that had left the window, of those the share routed, and the median of
-    their slots' median ranks."""
-    rows = []
-    for (method, right), routes in by_outcome(records, "left").items():
-        left = sum(x["left"] for x in routes) / len(routes)
-        gone = [x for x in routes if "routed" in x]  # some answer tokens had left the window
-        routed = f"{100 * sum(x['routed'] for x in gone) / len(gone):.1f} %" if gone else "-"
-        ranks = sorted(x["slot_rank"] for x in gone)
-        rank = f"{ranks[len(ranks) // 2]:g}" if ranks else "-"
-        rows.append([method, "yes" if right else "no", str(len(routes)), f"{100 * left:.1f} %",
-                     routed, rank])  # fmt: skip
-    header = ["method", "answered", "samples", "left the window", "routed", "slot rank"]
-    return markdown_table(header, rows, "<<>>>>")
+    """Markdown: how each retrieval cache's last prompt query routed to the answer's tokens
+    (`route_cells`), over the samples each run answered right and those it missed."""
+    rows = [
+        [method, "yes" if right else "no", str(len(routes)), *route_cells(routes)]
+        for (method, right), routes in by_outcome(records, "left").items()
+    ]
+    return markdown_table(["method", "answered", "samples", *ROUTE_HEADER], rows, "<<>>>>")
+
+
+def miss_rows(records: list[NiahRecord]) -> list[str]:
+    """Markdown: every sample a retrieval cache missed where full attention answered, with its
+    answer and how its last prompt query routed to the answer's tokens (`route_cells`)."""
+    answered = {r.key[:4] for r in records if r.method == "full" and r.score == 1.0}
+    rows = [
+        [r.method, r.task, str(r.context_len), f"{r.depth:g}", str(r.seed),
+         repr(r.prediction.strip()[:24]), *route_cells([r.needle_fate])]
+        for r in sorted(records, key=lambda r: (r.method, r.key))
+        if r.needle_fate is not None and "left" in r.needle_fate and r.score < 1.0
+        and r.key[:4] in answered
+    ]  # fmt: skip
+    header = ["method", "task", "length", "depth", "seed", "answer", *ROUTE_HEADER]
+    return markdown_table(header, rows, "<<>>><>>>")
 
 
 def write_bounded_page(
@@ -147,7 +167,8 @@ def write_bounded_page(
 ) -> list[Path]:  # fmt: skip
     """stem.{json,md,png}, stem_budget.png and stem_cost.png: the NLL reports by length, peak
     memory and the cache against length, the NLL gap against the entries attended, the needles,
-    where kvm-fold put their answers and how two-level routed to them; payload (with the
+    where kvm-fold put their answers, how the retrieval caches routed to them and which they
+    missed; payload (with the
     provenance) is the JSON. Returns the paths written."""
     s = niah.settings
     body = [
@@ -176,11 +197,18 @@ def write_bounded_page(
         fate_rows(niah.records),
     )
     body += section(
-        "How two-level KVM-Fold routed to the needles' answer tokens",
+        "How the retrieval caches routed to the needles' answer tokens",
         "At the prompt's last query (the one that predicts the answer), over layers and query "
         "heads: the share of the answer's tokens that had left the window, of those the share "
-        "whose slot the head opened, and the median rank of their slots (0: the head's best).",
+        "whose unit (two-level's slot, Quest's page, InfLLM's block) the head opened, and the "
+        "median rank of their units (0: the head's best).",
         route_rows(niah.records),
+    )
+    body += section(
+        "The needles the retrieval caches missed where full attention answered",
+        "Each such sample, what the cache answered and how its last prompt query routed to the "
+        "answer's tokens (as above, for that sample alone).",
+        miss_rows(niah.records),
     )
     paths = write_report(stem, title, payload, body)
     heatmap(niah, stem.with_suffix(".png"), title)
