@@ -16,9 +16,15 @@ from longkv.caches import (
     bounded_generate,
     run_bounded,
 )
-from longkv.caches.methods import BoundedOptions, make_runner
+from longkv.caches.bounded import BoundedConfig
+from longkv.caches.eviction import SnapKVConfig, SnapKVRunner
+from longkv.caches.infllm import InfLLMConfig, InfLLMRunner
+from longkv.caches.methods import BoundedOptions, keeps_positions, make_runner
 from longkv.caches.naive import routed_attention_naive
+from longkv.caches.quest import QuestConfig, QuestRunner
+from longkv.caches.retrieval import RetrievalRunner
 from longkv.caches.routed import block_units, grouped, top_units
+from longkv.caches.streaming import StreamingRunner
 from longkv.caches.two_level import TwoLevelRunner, slot_scores
 from longkv.fold import fold_generate, kv_fold
 
@@ -103,6 +109,22 @@ def test_a_layers_attention_is_the_per_query_reference_over_its_own_cache(
     entries["leaves"] = (every.keys, every.values)
     want = routed_attention_naive(q, entries, count, every.owner, opened, 0.3)
     torch.testing.assert_close(got, want, rtol=0, atol=TOL)
+
+
+def test_each_config_makes_its_runner_and_only_retrieval_caches_keep_positions() -> None:
+    model = tiny_hf("llama")
+    cases = [
+        (BoundedConfig(budget=24), StreamingRunner, False),
+        (SnapKVConfig(budget=24, window=8), SnapKVRunner, False),
+        (KVMFoldConfig(budget=24), KVMFoldRunner, False),
+        (KVMFoldConfig(budget=24, open=2), TwoLevelRunner, True),
+        (QuestConfig(budget=24), QuestRunner, True),
+        (InfLLMConfig(budget=24), InfLLMRunner, True),
+    ]
+    for config, runner, keeps in cases:
+        made = make_runner(model, config)
+        assert type(made) is runner and keeps_positions(config) is keeps, config
+        assert isinstance(made, RetrievalRunner) is keeps
 
 
 def test_each_opening_and_store_is_a_run_labelled_with_what_differs_from_the_default() -> None:

@@ -32,6 +32,7 @@ from longkv.caches.infllm import InfLLMConfig, InfLLMRunner
 from longkv.caches.kvm_fold import STATES, KVMFoldConfig, KVMFoldRunner
 from longkv.caches.leaves import LEAF_STORES
 from longkv.caches.quest import QuestConfig, QuestRunner
+from longkv.caches.retrieval import RetrievalRunner
 from longkv.caches.routed import ROUTINGS
 from longkv.caches.streaming import StreamingRunner
 from longkv.caches.two_level import TwoLevelRunner
@@ -238,28 +239,33 @@ def reader_of(label: str) -> str:
     return "two-level" if method == "kvm-fold" and "/open" in label else method
 
 
+def runner_class(config: BoundedConfig) -> type[BoundedRunner]:
+    """The runner class of a bounded config: its class says which method."""
+    if isinstance(config, KVMFoldConfig):
+        return TwoLevelRunner if config.open else KVMFoldRunner
+    for kind, runner in ((SnapKVConfig, SnapKVRunner), (QuestConfig, QuestRunner),
+                         (InfLLMConfig, InfLLMRunner)):  # fmt: skip
+        if isinstance(config, kind):
+            return runner
+    return StreamingRunner
+
+
 def keeps_positions(config: BoundedConfig) -> bool:
     """Whether a run of this config keeps every token at its own position (a retrieval
     cache: two-level KVM-Fold, Quest, InfLLM), so that the model must have positions for the
     whole input, where the other bounded caches place theirs inside the budget."""
-    return isinstance(config, QuestConfig | InfLLMConfig) or (
-        isinstance(config, KVMFoldConfig) and config.open > 0
-    )
+    return issubclass(runner_class(config), RetrievalRunner)
 
 
 def make_runner(model: nn.Module, config: BoundedConfig, track: bool = False) -> BoundedRunner:
-    """A fresh runner of a bounded config (its class says which method); track: a KVM-Fold
-    runner keeps where each leaving token went."""
-    if isinstance(config, KVMFoldConfig):
-        runner = TwoLevelRunner if config.open else KVMFoldRunner
+    """A fresh runner of a bounded config (`runner_class`); track: a KVM-Fold runner keeps
+    where each leaving token went."""
+    runner = runner_class(config)
+    if issubclass(runner, KVMFoldRunner):
         return runner(model, config, track)
-    if isinstance(config, SnapKVConfig):
-        return SnapKVRunner(model, config)
-    if isinstance(config, QuestConfig):
-        return QuestRunner(model, config)
-    if isinstance(config, InfLLMConfig):
-        return InfLLMRunner(model, config)
-    return StreamingRunner(model, config.sinks, config.window_len)
+    if runner is StreamingRunner:
+        return StreamingRunner(model, config.sinks, config.window_len)
+    return runner(model, config)
 
 
 def run_bounded(
