@@ -168,8 +168,7 @@ def write_bounded_page(
     """stem.{json,md,png}, stem_budget.png and stem_cost.png: the NLL reports by length, peak
     memory and the cache against length, the NLL gap against the entries attended, the needles,
     where kvm-fold put their answers, how the retrieval caches routed to them and which they
-    missed; payload (with the
-    provenance) is the JSON. Returns the paths written."""
+    missed; payload (with the provenance) is the JSON. Returns the paths written."""
     s = niah.settings
     body = [
         f"- {methods_line(s)}",

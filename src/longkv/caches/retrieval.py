@@ -14,6 +14,7 @@ caches, which re-rotate their entries into positions inside the budget, it keeps
 and window's keys as the model rotated them (`keep_chunk`), so `build_cache` rotates nothing
 and opening every unit is the exact fold; a method that keeps its leaves un-rotated (InfLLM)
 undoes the rotation in `absorb`.
+
 When the window is full, its oldest tokens leave it an eighth of the window at a time (or as
 many as a chunk needs, when more): a decoded token then changes no memory until they go, and
 its window holds between seven eighths of `window` and `window` tokens.

@@ -14,7 +14,7 @@ within `KVMFoldConfig.leaf_budget` leaves (`routed.block_units`), and a decoded 
 heads open their `open` best each (`routed.top_units`); `routing="token"` has every query head
 and query open its own `open` best in prefill too.
 
-`TwoLevelRunner` reads a frozen model's input through such a cache: the model's cache holds the
+`TwoLevelRunner` reads a frozen model's input through such a cache (a `RetrievalRunner`): a
 bounded part [sinks | slot read-outs | window], the leaves a `LeafStore` per layer, and each
 layer's attention gathers the leaves of the slots its queries open (`TwoLevelRunner.attend`).
 Unlike the bounded caches, which re-rotate their entries into positions inside the budget, it
