@@ -134,8 +134,8 @@ class InfLLMRunner(RetrievalRunner):
         def attend(q: Tensor, keys: Tensor, values: Tensor, scale: float) -> Tensor:
             B, H, L, D = q.shape
             Hkv = keys.shape[1]
-            none = Part(keys[:, :, :0], values[:, :, :0])
-            sinks, _, recent = (none, none, none) if parts is None else parts
+            nothing = (Part(keys[:, :, :0], values[:, :, :0]),) * 3  # the first chunk's
+            sinks, _, recent = nothing if parts is None else parts
             to_sinks = min(max(config.sinks - first, 0), L)  # the chunk's tokens that become sinks
             G, high = H // Hkv, torch.promote_types(q.dtype, torch.float32)
             ahead = torch.arange(first, first + L, device=q.device)
