@@ -274,6 +274,18 @@ def _chunked(
     return q_c, window_of
 
 
+def _merge_left(
+    state: KVMState, left: list[Tensor], start: int, norm_weight: Tensor | None,
+    norm_bias: Tensor | None, read: tuple[Tensor, Tensor] | None, own: bool,
+) -> KVMState:  # fmt: skip
+    """The state after the window chunk that starts at token `start` left it: its keys, values
+    and gates `left` ((B, Hkv, C, .) each) appended or merged (`update_state`), reusing the
+    slots' read-out keys `read` where computed; own: the state's buffers may be written."""
+    k_b, v_b, g_b = left
+    read_k = None if read is None else read[0]
+    return update_state(state, k_b, v_b, g_b, start, norm_weight, norm_bias, read_k, donate=own)
+
+
 def kvm_attention(
     q: Tensor,
     k: Tensor,
@@ -307,10 +319,9 @@ def kvm_attention(
     dims, gate = check_arguments(
         q, k, v, config, gate, norm_weight, norm_bias, window_temp, state_temp
     )
-    if state is None:
+    if state is None:  # a sequence starts here
         state = empty_state(config, k, v, track_founders)
-    else:
-        state = check_state(state, config, dims, q)
+    state = check_state(state, config, dims, q)
 
     C, N, n0 = config.chunk_len, config.window_chunks, state.seen
     given = state.slots.store  # written in place only when donated, or once this call copied it
@@ -337,12 +348,9 @@ def kvm_attention(
         sets = []
         if c >= N:
             if cov < lo:  # the chunk [cov, cov + C) left the window at this chunk's start
-                k_b, v_b, g_b = (window_of(j, cov, cov + C) for j in range(3))
-                read_k = None if read is None else read[0]
                 own = donate or state.slots.store is not given
-                state = update_state(
-                    state, k_b, v_b, g_b, cov, norm_weight, norm_bias, read_k, donate=own
-                )
+                left = [window_of(j, cov, cov + C) for j in range(3)]
+                state = _merge_left(state, left, cov, norm_weight, norm_bias, read, own)
                 cov, read = lo, None
             if read is None:
                 read = read_state(state, norm_weight, norm_bias)
