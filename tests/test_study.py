@@ -17,8 +17,9 @@ from longkv.cli.main import main
 from longkv.evals.synthetic import make_mqar, query_distance
 from longkv.models import LongKVConfig
 from longkv.study import grid
-from longkv.study.config import EVAL, derived_seed, load_study, study_from_mapping
+from longkv.study.config import load_study, study_from_mapping
 from longkv.study.grid import EVAL_FILE, StudyData, mqar_rows, run_dir, run_study
+from longkv.study.mqar_config import EVAL, derived_seed
 from longkv.study.report import below_half, by_lead, describe_study
 from longkv.train import loop
 from longkv.train.data import pack_texts, split_texts

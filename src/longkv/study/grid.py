@@ -38,14 +38,13 @@ from longkv.kvm.layer import KVMAttention
 from longkv.models import LongKVConfig, LongKVForCausalLM
 from longkv.models.modeling import LongKVCache
 from longkv.results import write_atomic
-from longkv.study.config import (
+from longkv.study.config import LMEval, StudyConfig
+from longkv.study.mqar_config import (
     HELD_OUT,
     SHUFFLE,
     TRAIN,
-    LMEval,
     MQARStudy,
     MQARTrainData,
-    StudyConfig,
     derived_seed,
 )
 from longkv.train.checkpoint import RESUMABLE, describe, differences

@@ -16,8 +16,9 @@ from statistics import fmean
 from typing import Any
 
 from longkv.results import finish_figure, markdown_table, provenance, pyplot, write_report
-from longkv.study.config import TRAIN, MQARStudy, StudyConfig
+from longkv.study.config import StudyConfig
 from longkv.study.grid import StudyData, finished, run_dir
+from longkv.study.mqar_config import TRAIN, MQARStudy
 from longkv.train.loop import METRICS_FILE
 from longkv.train.report import read_metrics
 
