@@ -20,7 +20,8 @@ from longkv.study import grid
 from longkv.study.config import load_study, study_from_mapping
 from longkv.study.grid import EVAL_FILE, StudyData, mqar_rows, run_dir, run_study
 from longkv.study.mqar_config import EVAL, derived_seed
-from longkv.study.report import below_half, by_lead, describe_study
+from longkv.study.records import by_lead
+from longkv.study.report import below_half, describe_study
 from longkv.train import loop
 from longkv.train.data import pack_texts, split_texts
 from longkv.train.run import load_run, preset_model

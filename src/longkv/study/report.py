@@ -2,9 +2,8 @@
 
 The JSON holds the provenance, the study, every finished run's eval.json record and the mean
 over seeds per variant; the page has the tables (mean and per seed, state size, training
-time) and the PNG the plots (mqar: accuracy against pairs, gap and state size; lm: loss against
-position with the training length marked). Runs not finished with the current settings are
-listed as missing.
+time) and the PNG the plots (`study.plots`). The runs are read as records (`study.records`);
+runs not finished with the current settings are listed as missing.
 """
 
 from __future__ import annotations
@@ -12,90 +11,23 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from pathlib import Path
-from statistics import fmean
-from typing import Any
 
-from longkv.results import finish_figure, markdown_table, provenance, pyplot, write_report
+from longkv.results import markdown_table, provenance, write_report
 from longkv.study.config import StudyConfig
-from longkv.study.grid import StudyData, finished, run_dir
+from longkv.study.grid import StudyData
 from longkv.study.mqar_config import TRAIN, MQARStudy
-from longkv.train.loop import METRICS_FILE
-from longkv.train.report import read_metrics
-
-Record = dict[str, Any]
-
-
-def _mean(values: list[float | None]) -> float | None:
-    """Mean of the values that are numbers; None when there are none."""
-    present = [v for v in values if v is not None]
-    return fmean(present) if present else None
-
-
-def mean_over_seeds(records: list[Record]) -> Record:
-    """One variant's results averaged over its seeds' records (same evaluation settings)."""
-    out: Record = {
-        "seeds": [r["seed"] for r in records],
-        "train_seconds": fmean(r["train_seconds"] for r in records),
-    }
-    if "points" in records[0]:
-        out["points"] = [
-            _mean_point([r["points"][i] for r in records]) for i in range(len(records[0]["points"]))
-        ]
-    else:
-        out["mean_loss"] = fmean(r["mean_loss"] for r in records)
-        out["buckets"] = [
-            {
-                **{k: b[k] for k in ("low", "high")},
-                "loss": fmean(r["buckets"][j]["loss"] for r in records),
-            }
-            for j, b in enumerate(records[0]["buckets"])
-        ]
-    return out
-
-
-def _mean_point(seeds: list[Record]) -> Record:
-    """One MQAR point's results averaged over the seeds (empty buckets and missing slots
-    left out)."""
-    first = seeds[0]
-    buckets = [
-        {
-            **{k: b[k] for k in ("low", "high")},
-            "accuracy": _mean([s["by_distance"][j]["accuracy"] for s in seeds]),
-        }
-        for j, b in enumerate(first["by_distance"])
-    ]
-    return {
-        **{k: setting(first, k) for k in POINT_KEYS},
-        "accuracy": fmean(s["accuracy"] for s in seeds),
-        "state_slots": _mean([s["state_slots"] for s in seeds]),
-        "pair_tokens": _mean_fates([s.get("pair_tokens") for s in seeds]),
-        "by_distance": buckets,
-    }
-
-
-def _mean_fates(seeds: list[dict[str, float] | None]) -> dict[str, float] | None:
-    """The shares of the pairs' tokens per fate averaged over the seeds that recorded them."""
-    present = [f for f in seeds if f is not None]
-    return {k: fmean(f[k] for f in present) for k in present[0]} if present else None
-
-
-def collect(data: StudyData, runs_dir: str | Path) -> tuple[dict[str, list[Record]], list[str]]:
-    """(finished records by variant in seed order, each with its held-out loss curve
-    `held_out_curve` [[step, loss], ...] from metrics.csv; the runs missing as "variant seed
-    k")."""
-    study = data.study
-    done: dict[str, list[Record]] = {}
-    missing = []
-    for variant in study.variants:
-        for seed in study.seeds:
-            record = finished(data, runs_dir, variant, seed)
-            if record is None:
-                missing.append(f"{variant} seed {seed}")
-                continue
-            metrics = read_metrics(run_dir(runs_dir, study, variant, seed) / METRICS_FILE)
-            curve = [[int(m["step"]), m["eval_loss"]] for m in metrics if "eval_loss" in m]
-            done.setdefault(variant, []).append({**record, "held_out_curve": curve})
-    return done, missing
+from longkv.study.plots import plot_lm, plot_mqar
+from longkv.study.records import (
+    HEADERS,
+    NO_LEAD,
+    POINT_KEYS,
+    Record,
+    by_lead,
+    collect,
+    has_leads,
+    mean_over_seeds,
+    setting,
+)
 
 
 def _pct(x: float | None) -> str:
@@ -105,31 +37,6 @@ def _pct(x: float | None) -> str:
 def _fates(shares: dict[str, float] | None) -> str:
     """founded / merged / window in %."""
     return "-" if shares is None else " / ".join(f"{100 * x:.0f}" for x in shares.values())
-
-
-# a point's settings, and their headers on the page (lead and lead kind only where a point has
-# a lead of its own kind or length: records written before leads count as NO_LEAD)
-POINT_KEYS = ("num_pairs", "gap", "filler", "value_len", "lead", "lead_kind", "seq_len")
-HEADERS = {"num_pairs": "pairs", "lead_kind": "lead kind", "seq_len": "tokens"}
-NO_LEAD = {"lead": 0, "lead_kind": "filler"}
-
-
-def setting(point: Record, key: str) -> Any:
-    """A point's setting `key`, reading a record written before leads through NO_LEAD."""
-    return point.get(key, NO_LEAD.get(key))
-
-
-def has_leads(points: list[Record]) -> bool:
-    """Whether any point has tokens before its pairs or a lead of its own ids."""
-    return any(setting(p, k) != v for p in points for k, v in NO_LEAD.items())
-
-
-def by_lead(points: list[Record], kind: str) -> dict[int, float]:
-    """Accuracy per lead length (ascending) over the points with leads of `kind` (mean over
-    their pairs, gaps, fillers and value lengths)."""
-    mine = [p for p in points if setting(p, "lead_kind") == kind]
-    leads = sorted({setting(p, "lead") for p in mine})
-    return {x: fmean(p["accuracy"] for p in mine if setting(p, "lead") == x) for x in leads}
 
 
 def below_half(recall: dict[int, float], chance: float) -> str:
@@ -381,99 +288,6 @@ def describe_study(study: StudyConfig, data: StudyData) -> list[str]:
         "",
         *variants,
     ]
-
-
-def plot_mqar(means: dict[str, Record], path: Path, title: str) -> None:
-    """Accuracy vs pairs and vs gap per (filler, value_len), vs lead length per lead kind where
-    the points have leads, and vs state size for kvm."""
-    plt = pyplot()
-    points = next(iter(means.values()))["points"]
-    kinds = sorted({(p["filler"], p["value_len"]) for p in points})
-    kvm = [v for v, m in means.items() if m["points"][0]["state_slots"] is not None]
-    leads = has_leads(points)
-    lead_kinds = sorted({p["lead_kind"] for p in points}) if leads else []
-    nrows = 2 + int(leads) + int(bool(kvm))
-    ncols = max(len(kinds), len(lead_kinds))
-    fig, axes = plt.subplots(nrows, ncols, figsize=(4.5 * ncols, 3.5 * nrows), squeeze=False)
-    for row in axes:
-        for ax in row[len(kinds) :]:
-            ax.axis("off")
-    color = {variant: f"C{i}" for i, variant in enumerate(means)}  # one colour per variant
-    for col, (filler, value_len) in enumerate(kinds):
-        for row, key in enumerate(("num_pairs", "gap")):
-            ax = axes[row][col]
-            for variant, m in means.items():
-                mine = [
-                    p for p in m["points"] if (p["filler"], p["value_len"]) == (filler, value_len)
-                ]
-                xs = sorted({p[key] for p in mine})
-                ys = [fmean(p["accuracy"] for p in mine if p[key] == x) for x in xs]
-                ax.plot(xs, ys, marker="o", label=variant, color=color[variant])
-            other = "gaps" if key == "num_pairs" else "pairs"
-            ax.set_title(f"{filler} filler, value_len {value_len}", fontsize=9)
-            ax.set_xlabel(f"{'pairs' if key == 'num_pairs' else 'gap'} (mean over {other})")
-            ax.set_ylabel("accuracy")
-            ax.set_ylim(-0.02, 1.02)
-            ticks = sorted({p[key] for p in points})
-            if key == "gap":  # 0 and long gaps on one axis
-                ax.set_xscale("symlog", linthresh=1)
-                ax.set_xlim(0, max(ticks) * 1.2 + 1)
-            ax.set_xticks(ticks, [str(t) for t in ticks])
-            ax.legend(fontsize=7)
-    for col, kind in enumerate(lead_kinds):  # recall against the lead's length
-        ax = axes[2][col]
-        ax.axis("on")
-        for variant, m in means.items():
-            recall = by_lead(m["points"], kind)
-            ax.plot(list(recall), list(recall.values()), marker="o", label=variant,
-                    color=color[variant])  # fmt: skip
-        ax.set_xscale("symlog", linthresh=64)
-        ax.set_ylim(-0.02, 1.02)
-        ax.set_xlabel("lead before the pairs (tokens; mean over pairs, gaps, fillers)")
-        ax.set_ylabel("accuracy")
-        ax.set_title(f"{kind} lead", fontsize=9)
-        ax.legend(fontsize=7)
-    if kvm:  # recall against pairs per state slot, one panel per value length
-        lengths = sorted({value_len for _, value_len in kinds})
-        for col, value_len in enumerate(lengths):
-            ax = axes[nrows - 1][col]
-            for variant in kvm:
-                pts = [p for p in means[variant]["points"] if p["value_len"] == value_len]
-                ax.scatter(
-                    [p["num_pairs"] / p["state_slots"] for p in pts],
-                    [p["accuracy"] for p in pts],
-                    label=variant, color=color[variant], alpha=0.6,
-                )  # fmt: skip
-            ax.set_xscale("log", base=2)
-            ax.axvline(1.0, color="grey", linestyle=":", linewidth=1)
-            ax.set_ylim(-0.02, 1.02)
-            ax.set_xlabel("pairs per state slot (end of row)")
-            ax.set_ylabel("accuracy")
-            ax.set_title(f"kvm: every point, value_len {value_len}", fontsize=9)
-            ax.legend(fontsize=7)
-        for col in range(len(lengths), ncols):
-            axes[nrows - 1][col].axis("off")
-    finish_figure(fig, path, title)
-
-
-def plot_lm(means: dict[str, Record], train_len: int, path: Path, title: str) -> None:
-    """Held-out loss against position (each bucket at its end), the training length marked."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for variant, m in means.items():
-        ax.plot(
-            [b["high"] for b in m["buckets"]],
-            [b["loss"] for b in m["buckets"]],
-            marker="o",
-            label=variant,
-        )
-    ax.axvline(train_len, color="gray", linestyle="--", label=f"training length {train_len}")
-    ax.set_xscale("log")
-    ax.set_xlabel("position (end of bucket)")
-    ax.set_ylabel("held-out loss (nats)")
-    ax.set_title(title)
-    ax.legend(fontsize=8)
-    finish_figure(fig, path)
 
 
 def write_study_report(
