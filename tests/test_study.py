@@ -22,6 +22,7 @@ from longkv.study.grid import EVAL_FILE, StudyData, mqar_rows, run_dir, run_stud
 from longkv.study.mqar_config import EVAL, derived_seed
 from longkv.study.records import by_lead
 from longkv.study.report import below_half, describe_study
+from longkv.train import config as train_config
 from longkv.train import loop
 from longkv.train.data import pack_texts, split_texts
 from longkv.train.run import load_run, preset_model
@@ -128,14 +129,14 @@ def test_an_interrupted_run_resumes_to_the_numbers_of_an_uninterrupted_one(
     study = study_from_mapping(MQAR)
     data = StudyData(study)  # the rows are made once and shared by the runs
     whole = run_study(study, tmp_path / "a", variants=["kvm"], seeds=[1], data=data)
-    lr_factor = loop.lr_factor
+    lr_factor = train_config.lr_factor
 
     def ctrl_c_at_step_2(step: int, warmup: int, steps: int) -> float:
         if step == 1:
             raise KeyboardInterrupt
         return lr_factor(step, warmup, steps)
 
-    monkeypatch.setattr(loop, "lr_factor", ctrl_c_at_step_2)
+    monkeypatch.setattr(train_config, "lr_factor", ctrl_c_at_step_2)
     config = write(tmp_path / "study.yaml", MQAR)
     argv = ["study", "--config", config, "--runs-dir", str(tmp_path / "b"), "--only", "kvm",
             "--seeds", "1", "--out-dir", str(tmp_path / "out")]  # fmt: skip
@@ -143,7 +144,7 @@ def test_an_interrupted_run_resumes_to_the_numbers_of_an_uninterrupted_one(
     assert "holds step 1" in capsys.readouterr().err
     out = run_dir(tmp_path / "b", study, "kvm", 1)
     assert (out / loop.CHECKPOINT).is_file() and not (out / EVAL_FILE).exists()
-    monkeypatch.setattr(loop, "lr_factor", lr_factor)
+    monkeypatch.setattr(train_config, "lr_factor", lr_factor)
     resumed = run_study(study, tmp_path / "b", variants=["kvm"], seeds=[1], data=data)
     assert untimed(resumed["kvm", 1]) == untimed(whole["kvm", 1])
     recorded = json.loads((out / EVAL_FILE).read_text())

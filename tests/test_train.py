@@ -17,14 +17,8 @@ import torch
 from conftest import assert_same_training, loss_and_grads
 from longkv.models import LongKVConfig, LongKVForCausalLM
 from longkv.train.checkpoint import CHECKPOINT
-from longkv.train.loop import (
-    LabelledRows,
-    TrainConfig,
-    batch_rows,
-    evaluate,
-    lr_factor,
-    train,
-)
+from longkv.train.config import TrainConfig, lr_factor
+from longkv.train.loop import LabelledRows, batch_rows, evaluate, train
 
 HELPER = Path(__file__).parent / "helpers" / "ddp_train.py"
 CONFIG = LongKVConfig(
@@ -221,7 +215,7 @@ def test_the_kvm_paper_recipe_sets_each_groups_lr_and_decay_as_the_spec_does() -
     (0.9, 0.95), no clipping, warmup 200 then linear decay to 0; matrices lr0 / rho and
     wd0 * rho, the embedding lr0 and wd0, scalars (norms, temperatures, shifts) no decay; the
     decay scaled by lr_t / lr_peak."""
-    from longkv.train.loop import param_groups, schedule
+    from longkv.train.config import param_groups, schedule
 
     cfg = TrainConfig.from_section({"recipe": "kvm_paper", "steps": 6000})
     assert (cfg.betas, cfg.grad_clip, cfg.warmup, cfg.lr, cfg.weight_decay) == (
@@ -251,7 +245,7 @@ def test_the_kvm_paper_recipe_sets_each_groups_lr_and_decay_as_the_spec_does() -
 
 
 def test_the_default_recipe_decays_every_parameter_and_a_bad_recipe_is_refused() -> None:
-    from longkv.train.loop import param_groups, schedule
+    from longkv.train.config import param_groups, schedule
 
     groups = param_groups(LongKVForCausalLM(CONFIG), CFG, 32)
     schedule(groups, CFG, 4)

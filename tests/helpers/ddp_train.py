@@ -11,7 +11,8 @@ import sys
 import torch
 
 from longkv.models import LongKVConfig
-from longkv.train.loop import TrainConfig, train
+from longkv.train.config import TrainConfig
+from longkv.train.loop import train
 
 out, parallel, seq_len = sys.argv[1], sys.argv[2], int(sys.argv[3])
 config = LongKVConfig(

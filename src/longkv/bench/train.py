@@ -26,7 +26,8 @@ from longkv.checks import require, require_at_least, require_known, setting
 from longkv.models import LongKVConfig
 from longkv.models.config import PAPER_SIZES
 from longkv.results import OUT_DIR, OUT_DIR_HELP, markdown_table, provenance, write_report
-from longkv.train.loop import PRECISIONS, TrainConfig, TrainRun, optimizer_step, start_run
+from longkv.train.config import PRECISIONS, TrainConfig
+from longkv.train.loop import TrainRun, optimizer_step, start_run
 from longkv.train.run import preset_model
 
 VARIANTS: dict[str, dict[str, Any]] = {  # LongKVConfig.tiny overrides (kvm merges into its kvm)

@@ -26,8 +26,8 @@ from longkv.checks import (
 from longkv.evals.position_loss import check_edges, doubling_edges
 from longkv.models import LongKVConfig
 from longkv.study.mqar_config import MQAREval, MQARStudy, MQARTrainData, as_tuples
+from longkv.train.config import MODEL_FIELDS, TrainConfig
 from longkv.train.data import DataConfig
-from longkv.train.loop import MODEL_FIELDS, TrainConfig
 from longkv.train.run import preset_model
 
 STUDY_TASKS = ("mqar", "lm")

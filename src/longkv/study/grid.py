@@ -48,11 +48,11 @@ from longkv.study.mqar_config import (
     derived_seed,
 )
 from longkv.train.checkpoint import RESUMABLE, describe, differences
+from longkv.train.config import run_settings
 from longkv.train.data import pack_texts, packed_corpus, split_texts
 from longkv.train.loop import (
     LabelledRows,
     TrainingRows,
-    run_settings,
     train,
     train_device,
     world,

@@ -52,7 +52,7 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
 
 def load_checkpoint(path: Path, settings: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The checkpoint at path; refused if its run settings differ from `settings` (see
-    `longkv.train.loop.run_settings`) outside RESUMABLE, or its step is past settings'
+    `longkv.train.config.run_settings`) outside RESUMABLE, or its step is past settings'
     train.steps."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=False)

@@ -24,8 +24,9 @@ from longkv.models import LongKVConfig, LongKVForCausalLM
 from longkv.models.config import PAPER_MODELS, PAPER_SIZES
 from longkv.results import provenance, write_atomic
 from longkv.train.checkpoint import describe, differences
+from longkv.train.config import MODEL_FIELDS, TrainConfig, run_settings
 from longkv.train.data import DataConfig, pack_texts, packed_corpus, split_texts
-from longkv.train.loop import MODEL_FIELDS, TrainConfig, run_settings, train
+from longkv.train.loop import train
 from longkv.train.report import PROVENANCE, RUN_FILE, record_provenance
 from longkv.train.tokenizer import load_tokenizer
 
