@@ -1,5 +1,6 @@
 """The layering of docs/architecture.md: every import of a longkv module goes down a floor (or
-stays inside its own package), so there is no upward arrow and no circle between packages."""
+stays inside its own package), so there is no upward arrow and no circle between packages; and
+its sizes: modules of at most 450 lines, functions of at most 80."""
 
 from __future__ import annotations
 
@@ -57,6 +58,37 @@ def upward_imports(src: Path) -> list[str]:
             if target not in FLOORS or own not in FLOORS or FLOORS[target] >= FLOORS[own]:
                 bad.append(f"{path.relative_to(src)}:{line} {own} -> {target}")
     return bad
+
+
+MODULE_LINES, FUNCTION_LINES = 450, 80
+
+
+def oversized(src: Path) -> list[str]:
+    """Each module in src longer than MODULE_LINES and each function longer than
+    FUNCTION_LINES (decorators and docstring included): "file: n lines", "file:line name: n"."""
+    found = []
+    for path in sorted(src.rglob("*.py")):
+        text, rel = path.read_text(), path.relative_to(src)
+        if len(text.splitlines()) > MODULE_LINES:
+            found.append(f"{rel}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                n = (node.end_lineno or node.lineno) - first + 1
+                if n > FUNCTION_LINES:
+                    found.append(f"{rel}:{node.lineno} {node.name}: {n}")
+    return found
+
+
+def test_modules_and_functions_stay_within_their_sizes() -> None:
+    assert oversized(SRC) == []
+
+
+def test_an_oversized_module_and_function_are_found(tmp_path: Path) -> None:
+    body = "".join(f"    x{i} = {i}\n" for i in range(80))
+    (tmp_path / "long.py").write_text("def f():\n" + body + "\n" * 400)
+    (tmp_path / "short.py").write_text("def g():\n" + body[: -len("    x79 = 79\n")])
+    assert oversized(tmp_path) == ["long.py: 481 lines", "long.py:1 f: 81"]
 
 
 def test_every_room_has_a_floor() -> None:
