@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import tiny_hf
-from longkv.bench.compare import compare_methods
+from longkv.bench.compare import compare_methods, step_seconds
 from longkv.bench.kvm import METHODS, BenchSettings
 from longkv.bench.memory import cpu_peak_supported, peak_memory
 from longkv.bench.train import TrainBenchSettings
@@ -245,3 +245,17 @@ def test_compare_times_decoding_steps_after_each_read_and_refuses_steps_past_the
     assert compare_methods(model, ids, 60)["runs"][0]["decode_seconds"] is None
     with pytest.raises(ValueError, match=r"decode_tokens: must lie in \[0, 60\)"):
         compare_methods(model, ids, 60, decode_tokens=60)
+
+
+def test_decoding_steps_take_turns():
+    """Every method steps through the same tokens in order, the methods taking each token in
+    turn, so that a machine slowing down weighs on all of them alike."""
+    fed: list[tuple[str, int]] = []
+
+    def stepper(name: str):
+        return lambda ids: fed.append((name, int(ids.item())))
+
+    ids = torch.tensor([[5, 6, 7]])
+    seconds = step_seconds({"full": stepper("full"), "quest": stepper("quest")}, ids)
+    assert set(seconds) == {"full", "quest"} and all(s >= 0 for s in seconds.values())
+    assert fed == [("full", 5), ("quest", 5), ("full", 6), ("quest", 6), ("full", 7), ("quest", 7)]

@@ -5,8 +5,10 @@ and kernels, is counted nowhere), then runs once with its peak memory measured, 
 timed runs with the heap kept for reuse; the reported time is their median. With
 `decode_tokens` n, it then reads all but the last n tokens once more and feeds those n one at a
 time, as decoding does (the input's own tokens rather than its guesses, so that every method
-steps through the same positions, inside the input's length): the reported decode time is the
-median of those steps. The weights are read in before anything is measured, so no method's
+steps through the same positions, inside the input's length). The methods take those steps in
+turns, one token each, as the timed runs go in rounds, so that a machine that slows down over
+the minutes weighs on every method's steps alike: the reported decode time is the median of a
+method's steps. The weights are read in before anything is measured, so no method's
 peak counts them (`load_weights`). Measuring sets glibc's allocator options for the process
 (`keep_freed_heap`).
 """
@@ -79,15 +81,17 @@ Run = Callable[[Tensor], FoldResult]
 Step = Callable[[Tensor], Tensor]  # ids (B, 1) -> logits (B, 1, V), continuing a read
 
 
-def step_seconds(step: Step, ids: Tensor) -> float:
-    """The median wall time of feeding ids (B, n) one token at a time through step."""
-    times = []
+def step_seconds(steps: dict[str, Step], ids: Tensor) -> dict[str, float]:
+    """The median wall time of each step fed ids (B, n) one token at a time, the steps taking
+    each token in turn."""
+    times: dict[str, list[float]] = {name: [] for name in steps}
     with torch.inference_mode():
         for i in range(ids.shape[1]):
-            start = time.perf_counter()
-            step(ids[:, i : i + 1])
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+            for name, step in steps.items():
+                start = time.perf_counter()
+                step(ids[:, i : i + 1])
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def _runs(
@@ -194,15 +198,16 @@ def compare_methods(
     for _ in tqdm(range(repeats), desc="timed rounds", unit="round"):
         for method in order:
             times[method].append(runs[method][1](input_ids).seconds)
-    results: dict[str, MethodRun] = {}
-    for method in order:
-        decode = None
-        if decode_tokens:
-            head = runs[method][1](input_ids[:, : T - decode_tokens])
-            decode = step_seconds(_step(model, method, head, last, variant, chunk_size),
-                                  input_ids[:, T - decode_tokens :])  # fmt: skip
-        seconds = statistics.median(times[method])
-        results[method] = MethodRun(**measured[method], seconds=seconds, decode_seconds=decode)
+    decode: dict[str, float] = {}
+    if decode_tokens:
+        steps = {m: _step(model, m, runs[m][1](input_ids[:, : T - decode_tokens]), last, variant,
+                          chunk_size) for m in order}  # fmt: skip
+        decode = step_seconds(steps, input_ids[:, T - decode_tokens :])
+    results = {
+        m: MethodRun(**measured[m], seconds=statistics.median(times[m]),
+                     decode_seconds=decode.get(m))
+        for m in order
+    }  # fmt: skip
     return {"runs": [asdict(r) for r in results.values()], "ratios": _ratios(results)}
 
 
