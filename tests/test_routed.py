@@ -104,6 +104,19 @@ def test_without_read_outs_a_query_sees_only_its_units_leaves(k: int) -> None:
     torch.testing.assert_close(fast(q, entries, None, owner, opened), want, rtol=0, atol=TOL)
 
 
+@pytest.mark.parametrize("readouts", [True, False])
+@pytest.mark.parametrize("k", [0, 2, UNITS])
+def test_a_decoded_token_attends_as_the_per_query_reference(readouts: bool, k: int) -> None:
+    """A chunk of one query (decoding) sees its own token within the one key set."""
+    q, entries, count, owner = case(7)
+    q = q[:, :, -1:]  # (B, H, 1, D)
+    entries["chunk"] = (entries["chunk"][0][:, :, -1:], entries["chunk"][1][:, :, -1:])
+    opened = top_units(SCALE * (grouped(q, HKV) @ entries["slots"][0].transpose(-1, -2)), k)
+    kept = count if readouts else None
+    want = routed_attention_naive(q, entries, kept, owner, opened.reshape(B, H, 1, -1), SCALE)
+    torch.testing.assert_close(fast(q, entries, kept, owner, opened), want, rtol=0, atol=TOL)
+
+
 def softmax_over(
     q: Tensor, parts: list[tuple[Tensor, Tensor]], bias: Tensor | None = None
 ) -> Tensor:

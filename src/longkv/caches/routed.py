@@ -17,7 +17,8 @@ Who opens what is a mask `opened` (B, Hkv, R, U):
 `routed_attention` attends, through torch's fused kernel (`attend_key_sets`), the opened units'
 leaves and the bounded part, copied once into [sinks | read-outs | leaves | window before the
 chunk] with an additive bias per row, as one key set, the chunk causally as another, merged by
-their log-sum-exp; it never forms a logit for a leaf of a unit no row opened.
+their log-sum-exp (a decoded token, a chunk of one, joins the first set as its last key: one
+kernel call); it never forms a logit for a leaf of a unit no row opened.
 `naive.routed_attention_naive` writes the same out per query and head.
 """
 
@@ -81,9 +82,10 @@ def routed_bias(
     opened: Tensor, count: Tensor | None, got: Gathered, sinks: int, window: int
 ) -> Tensor | None:  # fmt: skip
     """The additive bias (B, Hkv, R, sinks + S + n + window) over [sinks | read-outs | gathered
-    leaves | window before the chunk]: 0 on the sinks, the window and the leaves of the units
-    a row opened; log count on the read-out of a unit it left closed; -inf on an opened unit's
-    read-out, on the leaves of units it left closed and on padding. count (B, Hkv, U): the
+    leaves | window] (window: the entries after the leaves, the window before the chunk and, in
+    `routed_attention`, a decoded token's own): 0 on the sinks, the window and the leaves of the
+    units a row opened; log count on the read-out of a unit it left closed; -inf on an opened
+    unit's read-out, on the leaves of units it left closed and on padding. count (B, Hkv, U): the
     read-outs' counts (S = U), None without read-outs (S = 0). None where every entry is 0."""
     B, Hkv, R, _ = opened.shape
     n = got.owner.shape[-1]
@@ -121,12 +123,14 @@ def routed_attention(
     Hkv = chunk.keys.shape[1]
     high = torch.promote_types(q.dtype, torch.float32)
     qg = (q.to(high) * scale).view(B, Hkv, H // Hkv, L, D)
-    bias = routed_bias(opened, count, got, sinks.keys.shape[2], window.keys.shape[2])
+    own = L == 1  # a single query sees its own token as it sees the window: no causal set
+    tail = [window, chunk] if own else [window]
+    bias = routed_bias(opened, count, got, sinks.keys.shape[2], sum(p.keys.shape[2] for p in tail))
     if bias is not None and bias.shape[2] == 1:  # one row for all: the kernel broadcasts it
         bias = bias[:, :, 0]
-    sets = [KeySet(qg, chunk.keys.to(high), chunk.values.to(high), causal=True)]
-    before = [sinks, *([] if readouts is None else [readouts]), Part(got.keys, got.values), window]
-    if sum(p.keys.shape[2] for p in before):  # one copy of what came before the chunk
+    sets = [] if own else [KeySet(qg, chunk.keys.to(high), chunk.values.to(high), causal=True)]
+    before = [sinks, *([] if readouts is None else [readouts]), Part(got.keys, got.values), *tail]
+    if sum(p.keys.shape[2] for p in before):  # one copy of the keys outside the causal set
         k = torch.cat([p.keys.to(high) for p in before], dim=2)
         v = torch.cat([p.values.to(high) for p in before], dim=2)
         sets.insert(0, KeySet(qg, k, v, bias=bias))
