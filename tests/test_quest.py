@@ -12,11 +12,12 @@ from conftest import TOL, tiny_hf
 from longkv.caches import bounded_fold, bounded_generate, make_runner
 from longkv.caches.naive import (
     block_units_naive,
-    page_scores_naive,
+    bound_scores_naive,
     routed_attention_naive,
     top_units_naive,
 )
-from longkv.caches.quest import QuestConfig, QuestRunner, page_scores
+from longkv.caches.quest import QuestConfig, QuestRunner
+from longkv.caches.routed import bound_scores
 from longkv.fold import fold_generate, kv_fold
 
 
@@ -58,7 +59,8 @@ def test_a_layers_pages_and_attention_are_the_per_query_references(routing: str)
     q = torch.randn(2, 4, L, keys.shape[-1], generator=torch.Generator().manual_seed(2)).double()
     got = runner.attend(1)(q, keys, values, 0.3)
     every = leaves.gather(None, torch.float64)
-    scores = page_scores_naive(q, every.keys, 4, 0.3)  # (B, H, L, P)
+    pages = (len(leaves) + 3) // 4
+    scores = bound_scores_naive(q, every.keys, every.owner, pages, 0.3)  # (B, H, L, P)
     torch.testing.assert_close(runner.last_scores[1], scores[:, :, -1], rtol=0, atol=TOL)
     P = scores.shape[-1]
     count = runner.page_counts(1)
@@ -90,7 +92,7 @@ def test_a_pages_score_bounds_every_logit_in_it_and_is_the_logit_of_a_one_token_
         assert every is not None and bounds is not None
         keys = every.gather(None, torch.float64).keys  # (B, Hkv, n, D)
         q = torch.randn(2, 2, 7, keys.shape[-1], generator=torch.Generator().manual_seed(3))
-        score = page_scores(q.double(), *bounds, 1.0)  # (B, Hkv, 7, P)
+        score = bound_scores(q.double(), *bounds, 1.0)  # (B, Hkv, 7, P)
         logits = q.double() @ keys.transpose(-1, -2)  # (B, Hkv, 7, n)
         page_of = torch.arange(keys.shape[2]) // page
         assert (score[..., page_of] >= logits - 1e-12).all()

@@ -20,10 +20,10 @@ from longkv.caches.bounded import BoundedConfig
 from longkv.caches.eviction import SnapKVConfig, SnapKVRunner
 from longkv.caches.infllm import InfLLMConfig, InfLLMRunner
 from longkv.caches.methods import BoundedOptions, keeps_positions, make_runner
-from longkv.caches.naive import routed_attention_naive
+from longkv.caches.naive import bound_scores_naive, routed_attention_naive
 from longkv.caches.quest import QuestConfig, QuestRunner
 from longkv.caches.retrieval import RetrievalRunner
-from longkv.caches.routed import block_units, grouped, top_units
+from longkv.caches.routed import block_units, bound_scores, grouped, last_query, top_units
 from longkv.caches.streaming import StreamingRunner
 from longkv.caches.two_level import TwoLevelRunner, slot_scores
 from longkv.fold import fold_generate, kv_fold
@@ -75,15 +75,17 @@ def test_opening_fewer_slots_reads_less_and_differs_from_both_ends(routing: str)
 
 @pytest.mark.parametrize("store", ["exact", "file"])
 @pytest.mark.parametrize("routing", ["block", "token"])
+@pytest.mark.parametrize("score", ["mean", "box"])
 def test_a_layers_attention_is_the_per_query_reference_over_its_own_cache(
-    store: str, routing: str
+    store: str, routing: str, score: str
 ) -> None:
     """A layer's attention over the runner's cache and leaves (float64) equals the per-query
-    reference opening the slots its routing opens (1e-10)."""
+    reference opening the slots its routing opens by its slot score (1e-10)."""
     model, ids = tiny_hf("llama", torch.float64), ids_of()
     config = KVMFoldConfig(
-        budget=26, sinks=2, window=16, open=2, leaves=store, routing=routing, leaf_budget=10
-    )
+        budget=26, sinks=2, window=16, open=2, leaves=store, routing=routing, leaf_budget=10,
+        slot_score=score,
+    )  # fmt: skip
     runner = make_runner(model, config)
     assert isinstance(runner, TwoLevelRunner)
     bounded_fold(runner, ids, 8)
@@ -99,12 +101,16 @@ def test_a_layers_attention_is_the_per_query_reference_over_its_own_cache(
     count = state.count.double()
     sinks, slots, window = runner.parts(0)
     assert sinks.keys.shape[2] == 2 and slots.keys.shape[2] == S
-    rank = slot_scores(grouped(q, 2), slots.keys, count, 0.3)
+    every = leaves.gather(None, torch.float64)
+    if score == "mean":
+        rank = slot_scores(grouped(q, 2), slots.keys, count, 0.3)
+    else:  # (B, H, L, S) -> each KV head's query heads' rows (B, Hkv, G * L, S)
+        rank = bound_scores_naive(q, every.keys, every.owner, S, 0.3).reshape(2, 2, 2 * L, S)
+    torch.testing.assert_close(runner.last_scores[0], last_query(rank, 2, L), rtol=0, atol=TOL)
     if routing == "block":
         opened = block_units(rank, count, 10).repeat_interleave(2, dim=1).expand(2, 4, L, S)
     else:
         opened = top_units(rank, 2).reshape(2, 4, L, S)
-    every = leaves.gather(None, torch.float64)
     entries = {"sinks": sinks, "slots": slots, "window": window, "chunk": (keys, values)}
     entries["leaves"] = (every.keys, every.values)
     want = routed_attention_naive(q, entries, count, every.owner, opened, 0.3)
@@ -139,6 +145,9 @@ def test_each_opening_and_store_is_a_run_labelled_with_what_differs_from_the_def
         "kvm-fold/fixed@1024",
         "kvm-fold/fixed/open4/centred@1024",
     ]
+    box = BoundedOptions(kvm_open=(0, 4), kvm_slot_score="box").bounded_configs(("kvm-fold",))
+    assert list(box) == ["kvm-fold/fixed@1024", "kvm-fold/fixed/open4/box@1024"]
+    assert [c.slot_score for c in box.values()] == ["mean", "box"]  # type: ignore[attr-defined]
     stores = BoundedOptions(kvm_open=(0, 8), kvm_leaves=("exact", "int8"))
     configs = stores.bounded_configs(("kvm-fold",))
     assert list(configs) == [
@@ -203,6 +212,46 @@ def test_centred_slot_keys_still_open_to_the_exact_fold() -> None:
     assert (run - exact).abs().max().item() <= 1e-5
     with pytest.raises(ValueError, match="slot_key: only two-level KVM-Fold"):
         KVMFoldConfig(budget=26, sinks=2, window=16, slot_key="centred")
+
+
+def test_box_slot_scores_bound_every_logit_of_the_slot_and_open_to_the_exact_fold() -> None:
+    """slot_score="box": per slot the per-channel max and min of the rotated keys it owns
+    (against the leaves, float64); its score bounds the logit of each of its keys and is the
+    logit itself for a slot of one token; every slot opened is still the exact fold."""
+    model, ids = tiny_hf("llama", torch.float64), ids_of()
+    config = KVMFoldConfig(budget=60, sinks=2, window=16, open=2, slot_score="box")
+    runner = make_runner(model, config)  # 72 leaves in up to 42 slots
+    assert isinstance(runner, TwoLevelRunner)
+    bounded_fold(runner, ids, 8)
+    leaves, bounds, state = runner.leaves[1], runner.bounds[1], runner.states[1]
+    assert leaves is not None and bounds is not None and state is not None
+    keys, _, owner, _ = leaves.gather(None, torch.float64)
+    S = state.num_slots
+    assert bounds[0].shape == (2, 2, S, keys.shape[-1])
+    for b in range(2):
+        for h in range(2):
+            for slot in range(S):
+                mine = keys[b, h, owner[b, h] == slot]
+                torch.testing.assert_close(bounds[0][b, h, slot], mine.amax(0), rtol=0, atol=0)
+                torch.testing.assert_close(bounds[1][b, h, slot], mine.amin(0), rtol=0, atol=0)
+    q = torch.randn(2, 2, 7, keys.shape[-1], generator=torch.Generator().manual_seed(3)).double()
+    score = bound_scores(q, *bounds, 1.0)  # (B, Hkv, 7, S)
+    logits = q @ keys.transpose(-1, -2)  # (B, Hkv, 7, n)
+    of_leaf = score.gather(3, owner.unsqueeze(2).expand_as(logits))
+    assert (of_leaf >= logits - 1e-12).all()
+    single = state.count.gather(2, owner) == 1  # (B, Hkv, n): the leaf is its slot's only token
+    alone = single.unsqueeze(2).expand_as(logits)
+    assert single.any() and (state.count > 1).any()
+    torch.testing.assert_close(of_leaf[alone], logits[alone], rtol=0, atol=TOL)
+    exact = kv_fold(model, ids, ids.shape[1], return_logits=True).logits
+    every = KVMFoldConfig(budget=26, sinks=2, window=16, open=8, slot_score="box")
+    run = bounded_fold(make_runner(model, every), ids, 7, return_logits=True).logits
+    assert run is not None and exact is not None
+    assert (run - exact).abs().max().item() <= 1e-10
+    with pytest.raises(ValueError, match="slot_score: only two-level KVM-Fold"):
+        KVMFoldConfig(budget=26, sinks=2, window=16, slot_score="box")
+    with pytest.raises(ValueError, match="slot_score: must be one of"):
+        KVMFoldConfig(budget=26, sinks=2, window=16, open=2, slot_score="max")
 
 
 @pytest.mark.parametrize("k", [1, 3, 8])

@@ -35,6 +35,7 @@ from longkv.kvm.config import BudgetRule, desired_state_len
 
 STATES = ("fixed", "sqrt", "saturation", "lod")
 SLOT_KEYS = ("rotated", "centred")
+SLOT_SCORES = ("mean", "box")
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,13 @@ class KVMFoldConfig(BoundedConfig):
         "keys, rotated at their mean position)",
         choices=SLOT_KEYS,
     )
+    slot_score: str = setting(
+        "mean",
+        "two-level KVM-Fold: how a query ranks the slots it may open: mean (its logit against "
+        "the slot's read-out key + log(count)) or box (the largest logit any key within the "
+        "per-channel bounds of the slot's rotated keys can give, as Quest scores pages)",
+        choices=SLOT_SCORES,
+    )
     routing: str = setting(
         "block",
         "two-level KVM-Fold: who opens slots in a prefill chunk: block (its queries together, the "
@@ -122,12 +130,17 @@ class KVMFoldConfig(BoundedConfig):
         require_at_least(0, self, "open")
         require(self.leaves in LEAF_STORES, self, "leaves", f"must be one of {LEAF_STORES}")
         require(self.slot_key in SLOT_KEYS, self, "slot_key", f"must be one of {SLOT_KEYS}")
+        require(self.slot_score in SLOT_SCORES, self, "slot_score", f"must be one of {SLOT_SCORES}")
         require(self.routing in ROUTINGS, self, "routing", f"must be one of {ROUTINGS}")
         if self.leaf_budget is not None:
             require_at_least(1, self, "leaf_budget")
         require(
             self.open or self.slot_key == "rotated", self, "slot_key",
             "only two-level KVM-Fold (open > 0) reads its slots by another key",
+        )  # fmt: skip
+        require(
+            self.open or self.slot_score == "mean", self, "slot_score",
+            "only two-level KVM-Fold (open > 0) ranks slots to open them",
         )  # fmt: skip
         require(
             self.leaf_dir is None or os.path.isdir(self.leaf_dir), self, "leaf_dir",
@@ -156,7 +169,9 @@ class KVMFoldConfig(BoundedConfig):
         if self.merge_threshold is not None:
             options.append(f"merges above cosine {self.merge_threshold:g}")
         if self.open:
-            options.append(f"each query head opens {self.open} to their {self.leaves} tokens")
+            ranked = " (ranked by their key bounds)" if self.slot_score == "box" else ""
+            opens = f"each query head opens {self.open}{ranked} to their {self.leaves} tokens"
+            options.append(opens)
             if self.routing == "block":
                 bound = "" if self.leaf_budget is None else f" within {self.leaf_budget} leaves"
                 options.append(f"a prefill chunk's queries together{bound}")

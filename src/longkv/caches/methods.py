@@ -4,12 +4,12 @@
 `kvm-fold` keep at most a budget of entries per layer and KV head, and run once per budget in
 `budgets` (kvm-fold also once per state budget in `kvm_states`). Each run has a label:
 `streaming@1024`, `snapkv@1024`, `kvm-fold/sqrt@1024`, or for two-level KVM-Fold (each of
-`kvm_open` slots opened per query head) `kvm-fold/sqrt/open8@1024`, with its leaf store and
-slot key named unless the defaults (`kvm-fold/sqrt/open8/int8/centred@1024`); the leaves are
-outside the budget. `quest` (pages of the tokens that left the window, each query head opening
-the best by their key bounds) and `infllm` (blocks of them, retrieved by representative keys)
-run once per budget, `quest@1024`, `infllm@1024`, their sinks and window those of kvm-fold at
-the same budget and their pages and blocks outside it.
+`kvm_open` slots opened per query head) `kvm-fold/sqrt/open8@1024`, with its leaf store, slot
+key and slot score named unless the defaults (`kvm-fold/sqrt/open8/int8/centred/box@1024`); the
+leaves are outside the budget. `quest` (pages of the tokens that left the window, each query
+head opening the best by their key bounds) and `infllm` (blocks of them, retrieved by
+representative keys) run once per budget, `quest@1024`, `infllm@1024`, their sinks and window
+those of kvm-fold at the same budget and their pages and blocks outside it.
 """
 
 from __future__ import annotations
@@ -90,6 +90,7 @@ class BoundedOptions:
         feeds=(KVMFoldConfig, "leaves"),
     )
     kvm_slot_key: str = mirror(KVMFoldConfig, "slot_key", "kvm-fold: ")
+    kvm_slot_score: str = mirror(KVMFoldConfig, "slot_score", "kvm-fold: ")
     kvm_leaf_dir: str | None = mirror(KVMFoldConfig, "leaf_dir", "kvm-fold: ")
     kvm_lod_factor: float = mirror(KVMFoldConfig, "lod_factor", "kvm-fold ")
     kvm_lod_floor: int = mirror(KVMFoldConfig, "lod_floor", "kvm-fold ")
@@ -168,6 +169,7 @@ class BoundedOptions:
                             lod_floor=self.kvm_lod_floor, routing=self.routing,
                             leaf_budget=self.leaf_budget or None,
                             slot_key=self.kvm_slot_key if k else "rotated",  # coarse: not read
+                            slot_score=self.kvm_slot_score if k else "mean",
                         )  # fmt: skip
         known = [m for m in methods if m not in BOUNDED] + list(configs)
         unknown = [label for label in self.only if label not in known]
@@ -189,11 +191,12 @@ class BoundedOptions:
     def two_level_tag(self, k: int, leaves: str) -> str:
         """The label part of a kvm-fold run opening k slots with leaves stored as `leaves`: ""
         (coarse), "/open8", with the options that differ from the default after it:
-        "/open8/int8/centred"."""
+        "/open8/int8/centred/box"."""
         if not k:
             return ""
         options = [leaves] if leaves != "exact" else []
         options += [self.kvm_slot_key] if self.kvm_slot_key != "rotated" else []
+        options += [self.kvm_slot_score] if self.kvm_slot_score != "mean" else []
         return "/".join(["", f"open{k}", *options])
 
     def check_runs(self, model: nn.Module, methods: tuple[str, ...]) -> dict[str, BoundedConfig]:

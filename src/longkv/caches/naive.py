@@ -160,25 +160,27 @@ def routed_attention_naive(
     return out
 
 
-def page_scores_naive(q: Tensor, leaf_k: Tensor, page: int, scale: float) -> Tensor:
-    """Quest's page scores written out: for each query head and query of q (B, H, T, D) and
-    each page of `page` consecutive leaves leaf_k (B, Hkv, n, D) of its KV head, scale times
-    the sum over channels of the largest q_c * k_c among the page's keys. Returns (B, H, T, P)."""
+def bound_scores_naive(
+    q: Tensor, leaf_k: Tensor, owner: Tensor, units: int, scale: float
+) -> Tensor:
+    """Unit scores by key bounds (Quest's page score) written out: for each query head and
+    query of q (B, H, T, D) and each of `units` units, owning the leaves leaf_k (B, Hkv, n, D)
+    of its KV head whose owner (B, Hkv, n) it is, scale times the sum over channels of the
+    largest q_c * k_c among the unit's keys. Returns (B, H, T, units)."""
     B, H, T, _ = q.shape
-    Hkv, n = leaf_k.shape[1], leaf_k.shape[2]
-    pages = range(0, n, page)
-    out = torch.zeros(B, H, T, len(pages), dtype=q.dtype)
+    Hkv = leaf_k.shape[1]
+    out = torch.zeros(B, H, T, units, dtype=q.dtype)
     for b in range(B):
         for h in range(H):
             g = h // (H // Hkv)
             for t in range(T):
-                for p, start in enumerate(pages):
-                    members = leaf_k[b, g, start : start + page]
+                for u in range(units):
+                    members = leaf_k[b, g][owner[b, g] == u]
                     best = [
                         max(float(q[b, h, t, c] * k[c]) for k in members)
                         for c in range(q.shape[-1])
                     ]
-                    out[b, h, t, p] = scale * sum(best)
+                    out[b, h, t, u] = scale * sum(best)
     return out
 
 

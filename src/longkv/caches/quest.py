@@ -33,10 +33,12 @@ from longkv.caches.routed import (
     Part,
     attended_entries,
     block_units,
+    bound_scores,
     grouped,
     last_query,
     routed_attention,
     top_units,
+    widen_bounds,
 )
 from longkv.checks import require, require_at_least, setting
 from longkv.fold.attention import Attend
@@ -83,14 +85,6 @@ class QuestConfig(BoundedConfig):
         )
 
 
-def page_scores(q: Tensor, key_max: Tensor, key_min: Tensor, scale: float) -> Tensor:
-    """(B, Hkv, R, P): scale * sum_c max(q_c * max_c, q_c * min_c), the largest logit any key
-    inside each page's bounds can give, for the rows q (B, Hkv, R, D) of each KV head's query
-    heads against its pages' bounds key_max, key_min (B, Hkv, P, D)."""
-    upper = q.clamp_min(0) @ key_max.transpose(-1, -2) + q.clamp_max(0) @ key_min.transpose(-1, -2)
-    return scale * upper
-
-
 class QuestRunner(RetrievalRunner):
     """Quest's pages over the tokens that left the window, per layer their keys' bounds."""
 
@@ -104,22 +98,13 @@ class QuestRunner(RetrievalRunner):
 
     def absorb(self, layer: int, keys: Tensor, values: Tensor, first: int) -> None:
         """The tokens (keys as the model rotated them) join the newest page, then new ones."""
-        B, Hkv, m, D = keys.shape
+        B, Hkv, m, _ = keys.shape
         store = self.leaves[layer]
         n = 0 if store is None else len(store)
         page = torch.arange(n, n + m, device=keys.device) // self.config.page
-        self.keep_leaves(layer, keys, values, page.expand(B, Hkv, m))
-        pages = int(page[-1]) + 1
-        held = self.bounds[layer]
-        key_max, key_min = (keys[:, :, :0], keys[:, :, :0]) if held is None else held
-        grow = pages - key_max.shape[2]
-        key_max = torch.cat([key_max, keys.new_full((B, Hkv, grow, D), float("-inf"))], dim=2)
-        key_min = torch.cat([key_min, keys.new_full((B, Hkv, grow, D), float("inf"))], dim=2)
-        index = page.view(1, 1, m, 1).expand(B, Hkv, m, D)
-        self.bounds[layer] = (
-            key_max.scatter_reduce(2, index, keys, "amax"),
-            key_min.scatter_reduce(2, index, keys, "amin"),
-        )
+        unit = page.expand(B, Hkv, m)
+        self.keep_leaves(layer, keys, values, unit)
+        self.bounds[layer] = widen_bounds(self.bounds[layer], keys, unit, int(page[-1]) + 1)
 
     def page_counts(self, layer: int) -> Tensor:
         """(B, Hkv, P): the tokens of each page (the newest may have fewer)."""
@@ -132,7 +117,7 @@ class QuestRunner(RetrievalRunner):
 
     def attend(self, layer: int) -> Attend:
         """This layer's attention (`routed_attention`, no read-outs): the queries score the
-        pages by their bounds (`page_scores`) and open their best (per block in a prefill chunk
+        pages by their bounds (`bound_scores`) and open their best (per block in a prefill chunk
         by `config.routing`, per query head otherwise), or every page in a dense layer."""
         store, bounds, config = self.leaves[layer], self.bounds[layer], self.config
         assert store is not None and bounds is not None
@@ -144,7 +129,7 @@ class QuestRunner(RetrievalRunner):
             G = q.shape[1] // Hkv
             high = torch.promote_types(q.dtype, torch.float32)
             key_max, key_min = bounds[0].to(high), bounds[1].to(high)
-            rank = page_scores(grouped(q.to(high), Hkv), key_max, key_min, scale)
+            rank = bound_scores(grouped(q.to(high), Hkv), key_max, key_min, scale)
             if layer < config.dense_layers:
                 opened = torch.ones_like(rank[:, :, :1], dtype=torch.bool)
             elif L > 1 and config.routing == "block":

@@ -64,6 +64,33 @@ def block_units(rank: Tensor, count: Tensor, leaf_budget: int | None) -> Tensor:
     return torch.zeros_like(fits).scatter(-1, order, fits).unsqueeze(2)
 
 
+def bound_scores(q: Tensor, key_max: Tensor, key_min: Tensor, scale: float) -> Tensor:
+    """(B, Hkv, R, U): scale * sum_c max(q_c * max_c, q_c * min_c), the largest logit any key
+    inside each unit's per-channel bounds can give (Quest's page score), for the rows q
+    (B, Hkv, R, D) of each KV head's query heads against the units' bounds key_max, key_min
+    (B, Hkv, U, D)."""
+    upper = q.clamp_min(0) @ key_max.transpose(-1, -2) + q.clamp_max(0) @ key_min.transpose(-1, -2)
+    return scale * upper
+
+
+def widen_bounds(
+    bounds: tuple[Tensor, Tensor] | None, keys: Tensor, unit: Tensor, units: int
+) -> tuple[Tensor, Tensor]:
+    """The per-channel max and min keys (B, Hkv, units, D) of each unit once keys (B, Hkv, m, D)
+    have joined the units `unit` (B, Hkv, m); bounds: the max and min before (B, Hkv, u, D),
+    u <= units (None: no unit yet)."""
+    B, Hkv, m, D = keys.shape
+    key_max, key_min = (keys[:, :, :0], keys[:, :, :0]) if bounds is None else bounds
+    grow = units - key_max.shape[2]
+    key_max = torch.cat([key_max, keys.new_full((B, Hkv, grow, D), float("-inf"))], dim=2)
+    key_min = torch.cat([key_min, keys.new_full((B, Hkv, grow, D), float("inf"))], dim=2)
+    index = unit.unsqueeze(-1).expand(B, Hkv, m, D)
+    return (
+        key_max.scatter_reduce(2, index, keys, "amax"),
+        key_min.scatter_reduce(2, index, keys, "amin"),
+    )
+
+
 def grouped(q: Tensor, Hkv: int) -> Tensor:
     """q (B, H, L, D) as (B, Hkv, G * L, D): the rows of each KV head's G query heads."""
     B, H, L, D = q.shape

@@ -21,6 +21,9 @@ Unlike the bounded caches, which re-rotate their entries into positions inside t
 keeps every token at the position the model gave it (the exact fold's), so that opening every
 slot is the exact fold. A slot's read-out key is by default the mean of its tokens' rotated keys
 (a query's logit against it is the mean of its logits against them; `KVMFoldConfig.slot_key`).
+With `KVMFoldConfig.slot_score="box"` a query ranks the slots instead by the largest logit any
+key within the per-channel bounds of a slot's rotated keys can give (`routed.bound_scores`, as
+Quest ranks pages); the read-outs stay the means.
 The KVM state itself routes leaving tokens on un-rotated keys, as KVM-Fold does.
 """
 
@@ -38,10 +41,12 @@ from longkv.caches.routed import (
     Part,
     attended_entries,
     block_units,
+    bound_scores,
     grouped,
     last_query,
     routed_attention,
     top_units,
+    widen_bounds,
 )
 from longkv.fold.attention import Attend
 
@@ -74,6 +79,8 @@ class TwoLevelRunner(RetrievalRunner, KVMFoldRunner):
         self.slot_sums: list[Rows | None] = [None] * layers
         # per layer: the read-outs of its slots since the last update (`middle`)
         self.readouts: list[tuple[Tensor, Tensor] | None] = [None] * layers
+        # slot_score "box": per slot the per-channel max and min of its rotated keys
+        self.bounds: list[tuple[Tensor, Tensor] | None] = [None] * layers
 
     def absorb(self, layer: int, keys: Tensor, values: Tensor, first: int) -> None:
         """keys (rotated, as the model produced them) become leaves of the slots their
@@ -91,6 +98,8 @@ class TwoLevelRunner(RetrievalRunner, KVMFoldRunner):
         assert state is not None
         new = rows.new_zeros(B, Hkv, state.num_slots - len(sums), rows.shape[-1])
         self.slot_sums[layer] = sums.append(new, True).add_at(dest, rows, True)
+        if self.config.slot_score == "box":
+            self.bounds[layer] = widen_bounds(self.bounds[layer], keys, dest, state.num_slots)
 
     def middle(self, layer: int) -> tuple[Tensor, Tensor]:
         """The slots' read-out (`KVMFoldConfig.slot_key`): keys (B, Hkv, S, D) rotated and
@@ -113,19 +122,25 @@ class TwoLevelRunner(RetrievalRunner, KVMFoldRunner):
 
     def attend(self, layer: int) -> Attend:
         """This layer's attention for the forward's queries (`routed_attention`): they rank the
-        slots on their read-outs (`middle`) and open their best, per block (`block_units`: a
+        slots (`slot_scores` on their read-outs, `middle`, or `bound_scores` on their key
+        bounds, by `config.slot_score`) and open their best, per block (`block_units`: a
         prefill chunk, by `config.routing`) or each query head its own (`top_units`: a decoded
         token, or every forward by `config.routing`)."""
         state, leaves, config = self.states[layer], self.leaves[layer], self.config
         assert state is not None and leaves is not None
         sinks, readouts, recent = self.parts(layer)
+        bounds = self.bounds[layer]
 
         def attend(q: Tensor, keys: Tensor, values: Tensor, scale: float) -> Tensor:
             L, Hkv = q.shape[2], keys.shape[1]
             G = q.shape[1] // Hkv
             high = torch.promote_types(q.dtype, torch.float32)
             count = state.count.to(high)
-            rank = slot_scores(grouped(q.to(high), Hkv), readouts.keys.to(high), count, scale)
+            rows = grouped(q.to(high), Hkv)
+            if bounds is None:  # slot_score "mean"
+                rank = slot_scores(rows, readouts.keys.to(high), count, scale)
+            else:
+                rank = bound_scores(rows, bounds[0].to(high), bounds[1].to(high), scale)
             if L > 1 and config.routing == "block":
                 opened = block_units(rank, count, config.leaf_budget)
             else:
@@ -140,6 +155,7 @@ class TwoLevelRunner(RetrievalRunner, KVMFoldRunner):
         return attend
 
     def middle_bytes(self) -> int:
-        """The states' bytes and their sums of rotated keys and positions."""
+        """The states' bytes, their sums of rotated keys and positions and their key bounds."""
         sums = [s.tensor for s in self.slot_sums if s is not None]
-        return super().middle_bytes() + tensor_bytes(*sums)
+        bounds = [t for b in self.bounds if b is not None for t in b]
+        return super().middle_bytes() + tensor_bytes(*sums, *bounds)

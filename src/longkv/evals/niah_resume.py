@@ -40,8 +40,8 @@ def saved_records(path: Path, settings: NiahSettings) -> list[NiahRecord]:
 # the settings that choose which runs (by label) and cells (task, length, depth, seed) a file
 # answered, and where file leaves go; the others must agree for answers to be reused
 RUN_FIELDS = (
-    "methods", "budgets", "kvm_states", "kvm_open", "kvm_leaves", "kvm_slot_key", "kvm_leaf_dir",
-    "only",
+    "methods", "budgets", "kvm_states", "kvm_open", "kvm_leaves", "kvm_slot_key",
+    "kvm_slot_score", "kvm_leaf_dir", "only",
 )  # fmt: skip
 GRID_FIELDS = ("tasks", "lengths", "depths", "samples", "seed")
 RETRIEVAL = ("two-level", "quest")  # the runs that open units (`reader_of`)
