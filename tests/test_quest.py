@@ -1,6 +1,7 @@
 """Quest's pages as a retrieval cache: every page opened is the exact fold; a layer's page
-scores and attention are the per-query references over its own cache; the score bounds every
-logit of its page; dense layers open every page; bad settings are refused."""
+scores and attention are the per-query references over its own cache; dense layers open every
+page; bad settings are refused. A page's bounds and score against its keys: tests/test_two_level.py
+(`test_a_units_bounds_hold_its_keys_and_its_score_bounds_every_logit_in_it`)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ from longkv.caches.naive import (
     top_units_naive,
 )
 from longkv.caches.quest import QuestConfig, QuestRunner
-from longkv.caches.routed import bound_scores
 from longkv.fold import fold_generate, kv_fold
 
 
@@ -79,25 +79,6 @@ def test_a_layers_pages_and_attention_are_the_per_query_references(routing: str)
     entries["leaves"] = (every.keys, every.values)
     want = routed_attention_naive(q, entries, None, every.owner, opened, 0.3)
     torch.testing.assert_close(got, want, rtol=0, atol=TOL)
-
-
-def test_a_pages_score_bounds_every_logit_in_it_and_is_the_logit_of_a_one_token_page() -> None:
-    model, ids = tiny_hf("llama", torch.float64), ids_of(60)
-    for page in (1, 5):
-        runner = make_runner(model, QuestConfig(budget=26, sinks=2, window=16, page=page))
-        assert isinstance(runner, QuestRunner)
-        bounded_fold(runner, ids, 8)
-        every = runner.leaves[0]
-        bounds = runner.bounds[0]
-        assert every is not None and bounds is not None
-        keys = every.gather(None, torch.float64).keys  # (B, Hkv, n, D)
-        q = torch.randn(2, 2, 7, keys.shape[-1], generator=torch.Generator().manual_seed(3))
-        score = bound_scores(q.double(), *bounds, 1.0)  # (B, Hkv, 7, P)
-        logits = q.double() @ keys.transpose(-1, -2)  # (B, Hkv, 7, n)
-        page_of = torch.arange(keys.shape[2]) // page
-        assert (score[..., page_of] >= logits - 1e-12).all()
-        if page == 1:
-            torch.testing.assert_close(score, logits, rtol=0, atol=TOL)
 
 
 def test_dense_layers_open_every_page_and_the_others_their_best() -> None:

@@ -213,39 +213,52 @@ def test_other_slot_keys_and_scores_still_open_to_the_exact_fold(field: str, val
     assert (run - exact).abs().max().item() <= 1e-5
     with pytest.raises(ValueError, match=f"{field}: only two-level KVM-Fold"):
         KVMFoldConfig(budget=26, sinks=2, window=16, **{field: value})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=f"{field}: must be one of"):
+        KVMFoldConfig(budget=26, sinks=2, window=16, open=8, **{field: "max"})  # type: ignore[arg-type]
 
 
-def test_box_slot_scores_bound_every_logit_of_the_slot() -> None:
-    """slot_score="box": per slot the per-channel max and min of the rotated keys it owns
-    (against the leaves, float64); its score bounds the logit of each of its keys and is the
-    logit itself for a slot of one token."""
+@pytest.mark.parametrize(
+    ("config", "single"),
+    [
+        (QuestConfig(budget=26, sinks=2, window=16, page=1), "all"),
+        (QuestConfig(budget=26, sinks=2, window=16, page=6), "none"),
+        (KVMFoldConfig(budget=60, sinks=2, window=16, open=2, slot_score="box"), "some"),
+    ],
+    ids=["quest-page1", "quest-page6", "two-level-box"],
+)
+def test_a_units_bounds_hold_its_keys_and_its_score_bounds_every_logit_in_it(
+    config: BoundedConfig, single: str
+) -> None:
+    """Per unit (Quest's page; two-level's slot under slot_score="box", 72 leaves in up to 42
+    slots): the per-channel max and min of the rotated keys it owns (against the leaves,
+    float64); its score bounds the logit of each of its keys and is the logit itself for a unit
+    of one token."""
     model, ids = tiny_hf("llama", torch.float64), ids_of()
-    config = KVMFoldConfig(budget=60, sinks=2, window=16, open=2, slot_score="box")
-    runner = make_runner(model, config)  # 72 leaves in up to 42 slots
-    assert isinstance(runner, TwoLevelRunner)
+    runner = make_runner(model, config)
+    assert isinstance(runner, (QuestRunner, TwoLevelRunner))
     bounded_fold(runner, ids, 8)
-    leaves, bounds, state = runner.leaves[1], runner.bounds[1], runner.states[1]
-    assert leaves is not None and bounds is not None and state is not None
+    leaves, bounds = runner.leaves[1], runner.bounds[1]
+    assert leaves is not None and bounds is not None
     keys, _, owner, _ = leaves.gather(None, torch.float64)
-    S = state.num_slots
-    assert bounds[0].shape == (2, 2, S, keys.shape[-1])
-    for b in range(2):
-        for h in range(2):
-            for slot in range(S):
-                mine = keys[b, h, owner[b, h] == slot]
-                torch.testing.assert_close(bounds[0][b, h, slot], mine.amax(0), rtol=0, atol=0)
-                torch.testing.assert_close(bounds[1][b, h, slot], mine.amin(0), rtol=0, atol=0)
-    q = torch.randn(2, 2, 7, keys.shape[-1], generator=torch.Generator().manual_seed(3)).double()
-    score = bound_scores(q, *bounds, 1.0)  # (B, Hkv, 7, S)
+    B, Hkv, _, D = keys.shape
+    U = bounds[0].shape[2]
+    count = torch.zeros(B, Hkv, U, dtype=torch.long).scatter_add_(2, owner, torch.ones_like(owner))
+    assert (count >= 1).all()  # every unit owns a leaf
+    for b in range(B):
+        for h in range(Hkv):
+            for unit in range(U):
+                mine = keys[b, h, owner[b, h] == unit]
+                torch.testing.assert_close(bounds[0][b, h, unit], mine.amax(0), rtol=0, atol=0)
+                torch.testing.assert_close(bounds[1][b, h, unit], mine.amin(0), rtol=0, atol=0)
+    q = torch.randn(B, Hkv, 7, D, generator=torch.Generator().manual_seed(3)).double()
+    score = bound_scores(q, *bounds, 1.0)  # (B, Hkv, 7, U)
     logits = q @ keys.transpose(-1, -2)  # (B, Hkv, 7, n)
     of_leaf = score.gather(3, owner.unsqueeze(2).expand_as(logits))
     assert (of_leaf >= logits - 1e-12).all()
-    single = state.count.gather(2, owner) == 1  # (B, Hkv, n): the leaf is its slot's only token
-    alone = single.unsqueeze(2).expand_as(logits)
-    assert single.any() and (state.count > 1).any()
-    torch.testing.assert_close(of_leaf[alone], logits[alone], rtol=0, atol=TOL)
-    with pytest.raises(ValueError, match="slot_score: must be one of"):
-        KVMFoldConfig(budget=26, sinks=2, window=16, open=2, slot_score="max")
+    alone = count.gather(2, owner) == 1  # (B, Hkv, n): the leaf is its unit's only token
+    assert ("all" if alone.all() else "some" if alone.any() else "none") == single
+    rows = alone.unsqueeze(2).expand_as(logits)
+    torch.testing.assert_close(of_leaf[rows], logits[rows], rtol=0, atol=TOL)
 
 
 @pytest.mark.parametrize("k", [1, 3, 8])
