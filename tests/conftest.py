@@ -20,7 +20,14 @@ from typing import Any
 import pytest
 import torch
 from torch import Tensor
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from longkv.kvm import KVMState
 from longkv.models import LongKVConfig, LongKVForCausalLM
@@ -150,7 +157,21 @@ TINY_HF = dict(
     vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
 )  # fmt: skip
-HF_ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+
+
+def gemma3_config(**kwargs: Any) -> Gemma3TextConfig:
+    """A Gemma 3 config whose layers alternate sliding (window 16) and global attention,
+    sliding first, with Gemma 3's two RoPE bases (10^4 sliding, 10^6 global) and head 8."""
+    types = ["full_attention" if i % 2 else "sliding_attention" for i in range(3)]
+    defaults = dict(num_hidden_layers=3, head_dim=8, sliding_window=16, layer_types=types)
+    return Gemma3TextConfig(**{**kwargs, **defaults})
+
+
+HF_ARCHS = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "gemma3": (gemma3_config, Gemma3ForCausalLM),  # hybrid: sliding, global, sliding
+}
 
 
 def loss_and_grads(
@@ -173,15 +194,14 @@ def assert_same_training(
         torch.testing.assert_close(x, y, rtol=0, atol=tol)
 
 
-def tiny_hf_config(arch: str = "llama", **overrides: Any) -> LlamaConfig | Qwen2Config:
-    """A Llama or Qwen2 config of TINY_HF's shape, with overrides."""
+def tiny_hf_config(arch: str = "llama", **overrides: Any) -> Any:
+    """A Llama, Qwen2 or Gemma 3 config of TINY_HF's shape, with overrides."""
     return HF_ARCHS[arch][0](**{**TINY_HF, **overrides})
 
 
-def tiny_hf(
-    arch: str = "llama", dtype: torch.dtype = torch.float32, **overrides: Any
-) -> LlamaForCausalLM | Qwen2ForCausalLM:
-    """A random Llama or Qwen2 (seed 0) of `tiny_hf_config(arch, **overrides)`, in eval mode."""
+def tiny_hf(arch: str = "llama", dtype: torch.dtype = torch.float32, **overrides: Any) -> Any:
+    """A random Llama, Qwen2 or Gemma 3 (seed 0) of `tiny_hf_config(arch, **overrides)`, in eval
+    mode."""
     torch.manual_seed(0)
     return HF_ARCHS[arch][1](tiny_hf_config(arch, **overrides)).to(dtype).eval()
 

@@ -9,8 +9,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from transformers import (
-    Gemma3ForCausalLM,
-    Gemma3TextConfig,
     GPT2Config,
     GPT2LMHeadModel,
     MistralConfig,
@@ -31,12 +29,6 @@ def tiny(arch: str) -> PreTrainedModel:
     torch.manual_seed(0)
     if arch == "mistral":  # a sliding window shorter than the input
         model = MistralForCausalLM(MistralConfig(**TINY_HF, sliding_window=24))
-    elif arch == "gemma3":  # sliding-window layers beside global ones
-        config = Gemma3TextConfig(
-            **TINY_HF, head_dim=8, sliding_window=16,
-            layer_types=["sliding_attention", "full_attention"],
-        )  # fmt: skip
-        model = Gemma3ForCausalLM(config)
     elif arch == "gpt2":
         model = GPT2LMHeadModel(
             GPT2Config(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=256)

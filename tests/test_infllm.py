@@ -73,7 +73,7 @@ def test_a_forwards_attention_and_the_attention_received_are_the_per_query_refer
     L, W = chunk, window.keys.shape[2]
     assert keys.shape[2] == L  # the model's cache holds the chunk alone
     positions = torch.arange(90, 90 + L)
-    cos, sin = angles_at(15 - positions, runner.inv_freq)
+    cos, sin = angles_at(15 - positions, runner.inv_freqs[0])
     q_mem = rotate(q, cos, sin)  # every query at window - 1
     full = reps.shape[2]
     score = block_scores(q_mem, reps)  # (B, full)
@@ -82,7 +82,7 @@ def test_a_forwards_attention_and_the_attention_received_are_the_per_query_refer
         torch.einsum("bhd,bhud->bu", q_mem.mean(2), reps),
         rtol=0, atol=TOL,
     )  # fmt: skip
-    cos0, sin0 = angles_at(-torch.arange(2), runner.inv_freq)
+    cos0, sin0 = angles_at(-torch.arange(2), runner.inv_freqs[0])
     sinks_k = rotate(sinks.keys, cos0, sin0)  # the initial tokens without their rotation
     for b in range(2):
         chosen = set(top_units_naive(score[b], 2)) | {u for u in range(full, 99)}

@@ -25,7 +25,7 @@ def ids_of(n: int = 90) -> Tensor:
     return torch.randint(0, 64, (2, n), generator=torch.Generator().manual_seed(5))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 @pytest.mark.parametrize("chunk", [1, 7, 16])
 def test_opening_every_page_is_the_exact_fold(arch: str, chunk: int) -> None:
     model, ids = tiny_hf(arch), ids_of()
@@ -36,7 +36,7 @@ def test_opening_every_page_is_the_exact_fold(arch: str, chunk: int) -> None:
     assert run is not None and exact is not None
     assert (run - exact).abs().max().item() <= 1e-5
     assert runner.attention_share() == {"mean": 1.0, "max": 1.0}
-    leaves = runner.leaves[0]
+    leaves = runner.leaves[runner.ref]
     assert leaves is not None and len(leaves) == 90 - 2 - 16
     assert leaves.owner.tensor[0, 0, :, 0].tolist() == [j // 4 for j in range(72)]
 

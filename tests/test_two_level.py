@@ -33,7 +33,7 @@ def ids_of(n: int = 90) -> Tensor:
     return torch.randint(0, 64, (2, n), generator=torch.Generator().manual_seed(5))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 @pytest.mark.parametrize("chunk", [1, 7, 16])
 @pytest.mark.parametrize("leaves", ["exact", "int8"])
 def test_opening_every_slot_is_the_exact_fold(arch: str, chunk: int, leaves: str) -> None:
@@ -50,11 +50,11 @@ def test_opening_every_slot_is_the_exact_fold(arch: str, chunk: int, leaves: str
     gap = (run.logits - exact.logits).abs().max().item()
     assert gap <= (1e-5 if leaves == "exact" else 0.05), gap
     assert runner.attention_share() == {"mean": 1.0, "max": 1.0}  # what full attention attends
-    leaves = runner.leaves[0]
+    leaves = runner.leaves[runner.ref]
     assert leaves is not None and len(leaves) == ids.shape[1] - 2 - 16  # all but sinks, window
     # the bounded part: 2 sinks, 8 read-outs, the window of 16, outside the model's cache
-    assert [p.keys.shape[2] for p in runner.parts(0)] == [2, 8, 16]
-    assert runner.cache.layers[0].keys.shape[2] <= chunk
+    assert [p.keys.shape[2] for p in runner.parts(runner.ref)] == [2, 8, 16]
+    assert runner.cache.layers[runner.ref].keys.shape[2] <= chunk
     assert runner.resident_bytes()["leaves_file"] == 0
 
 
@@ -187,7 +187,7 @@ def test_a_slots_key_is_its_tokens_mean_rotated_key_or_their_centred_mean(slot_k
     assert leaves is not None
     keys, _, owner, _ = leaves.gather(None, torch.float64)
     positions = torch.arange(2, 2 + len(leaves), dtype=torch.float64)
-    cos, sin = angles_at(-positions, runner.inv_freq)
+    cos, sin = angles_at(-positions, runner.inv_freqs[0])
     plain = rotate(keys, cos, sin)  # the leaves' un-rotated keys
     got = runner.middle(1)[0]
     S = got.shape[2]
@@ -198,7 +198,7 @@ def test_a_slots_key_is_its_tokens_mean_rotated_key_or_their_centred_mean(slot_k
                 if slot_key == "rotated":
                     want = keys[b, h, mine].mean(0)
                 else:
-                    c, s_ = angles_at(positions[mine].mean().view(1), runner.inv_freq)
+                    c, s_ = angles_at(positions[mine].mean().view(1), runner.inv_freqs[0])
                     want = rotate(plain[b, h, mine].mean(0, keepdim=True), c, s_)[0]
                 torch.testing.assert_close(got[b, h, slot], want, rtol=0, atol=TOL)
 

@@ -50,9 +50,58 @@ def check_budget(model: nn.Module, budget: int) -> None:
     )  # fmt: skip
 
 
-def check_bounded(model: nn.Module, budget: int, method: str) -> Tensor:
+def layer_windows(model: nn.Module) -> list[int | None]:
+    """Per decoder layer, the sliding window its attention keeps (None: it attends every
+    token): the layer's own `sliding_window` (Gemma 3, Qwen2), else its layer type's, else the
+    config's for every layer (Mistral)."""
+    config = model.config
+    layers = getattr(getattr(model, "model", None), "layers", None) or ()
+    types = getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None)
+    out: list[int | None] = []
+    for i in range(config.num_hidden_layers):
+        attn = getattr(layers[i], "self_attn", None) if i < len(layers) else None
+        if hasattr(attn, "sliding_window"):
+            out.append(attn.sliding_window)
+        elif types is not None:
+            out.append(window if types[i] == "sliding_attention" else None)
+        else:
+            out.append(window)
+    return out
+
+
+def rope_tables(model: nn.Module) -> list[Tensor] | str:
+    """Per decoder layer, the RoPE inv_freq (D / 2,) float64 of its layer type (Gemma 3 keeps
+    one table per type, `sliding_attention_inv_freq`, `full_attention_inv_freq`), or why a
+    cached key of this model cannot be rotated to a new position."""
+    config = model.config
+    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+    params = getattr(config, "rope_parameters", None)
+    if rotary is None or params is None:
+        return "its positions are learned embeddings, not rotary ones, so they cannot be moved"
+    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    tables: list[Tensor] = []
+    for kind in types:
+        per_type = params.get(kind) if isinstance(params.get(kind), dict) else None
+        rope_type = (per_type or params).get("rope_type", "default")
+        if rope_type not in STATIC_ROPE:
+            return (
+                f"its RoPE ({kind} layers: rope_type {rope_type!r}) changes with the input's "
+                f"length, so a cached key cannot be re-rotated (static RoPE types: "
+                f"{sorted(STATIC_ROPE)})"
+            )
+        inv_freq = getattr(rotary, f"{kind}_inv_freq", None) if per_type else rotary.inv_freq
+        if not isinstance(inv_freq, Tensor):
+            return f"its rotary embedding has no inv_freq table for its {kind} layers"
+        tables.append(inv_freq.detach().to(torch.float64))
+    return tables
+
+
+def check_bounded(model: nn.Module, budget: int, method: str) -> list[Tensor]:
     """Refuse the argument `model` (or `budget`) unless a cache of `budget` entries with
-    positions inside it (the `method`) can run on the model; return its RoPE inv_freq."""
+    positions inside it (the `method`) can run on the model; return its RoPE inv_freq per
+    layer (`rope_tables`). Sliding-window layers keep their own window; the method bounds the
+    other layers."""
     if not compat.keeps_keys_and_values(model):
         refuse(
             None,
@@ -61,31 +110,26 @@ def check_bounded(model: nn.Module, budget: int, method: str) -> Tensor:
             f"{type(model).__name__} carries KVM states and window caches instead; run it with "
             "KV-Fold (its own chunked prefill) or full attention",
         )
-    config = model.config
-    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
-    inv_freq = getattr(rotary, "inv_freq", None)
-    rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
-    if inv_freq is None or rope_type not in STATIC_ROPE:
+    name = type(model).__name__
+    tables = rope_tables(model)
+    if isinstance(tables, str):
+        refuse(None, "model", f"{method} moves cached keys to new positions, but {name}: {tables}")
+    if getattr(model.config, "attn_logit_softcapping", None):
         refuse(
-            None,
-            "model",
-            f"{method} re-rotates cached keys, which needs one static RoPE "
-            f"(model.model.rotary_emb.inv_freq, rope_type in {sorted(STATIC_ROPE)}); "
-            f"{type(model).__name__} has rope_type {rope_type!r} and "
-            f"{'no' if inv_freq is None else 'an'} inv_freq (learned positions cannot be moved)",
-        )
+            None, "model",
+            f"{method} runs longkv's attention, which does not soft-cap attention logits as "
+            f"{name} does (attn_logit_softcapping); read it with the fold or full attention",
+        )  # fmt: skip
+    windows = layer_windows(model)
+    if all(w is not None for w in windows):
+        refuse(
+            None, "model",
+            f"{method} has no layer of {name} to bound: every layer attends a sliding window "
+            f"({sorted(set(windows))} tokens), so its cache is bounded already; read it with "
+            "the fold",
+        )  # fmt: skip
     check_budget(model, budget)
-    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
-    sliding = getattr(config, "sliding_window", None)
-    if layer_types != {"full_attention"} or (sliding is not None and budget > sliding):
-        refuse(
-            None,
-            "model",
-            f"has sliding-window layers ({sorted(layer_types)}, sliding_window={sliding}) "
-            f"that would cut the cache of {budget} entries; use a model with full attention "
-            "layers or a budget inside the sliding window",
-        )
-    return inv_freq.detach().to(torch.float64)
+    return tables
 
 
 @dataclass(frozen=True)
@@ -166,9 +210,14 @@ class BoundedRunner:
     leave_at_once = 1
 
     def __init__(self, model: nn.Module, config: BoundedConfig):
-        self.inv_freq = check_bounded(model, config.budget, self.method)
+        self.inv_freqs = check_bounded(model, config.budget, self.method)  # per layer
         self.model, self.config = model, config
         layers = model.config.num_hidden_layers
+        # per layer, the sliding window of a layer that keeps its own (None: the method bounds
+        # it); a sliding layer holds its last window - 1 tokens in `window_k`, and no sinks
+        self.windows = layer_windows(model)
+        self.bounded_layers = [i for i, w in enumerate(self.windows) if w is None]
+        self.ref = self.bounded_layers[0]  # a layer whose entries every bounded layer shares
         self.sink_k: list[Tensor] = [torch.empty(0)] * layers  # (B, Hkv, <= sinks, D)
         self.sink_v: list[Tensor] = [torch.empty(0)] * layers
         self.window_k: list[Tensor] = [torch.empty(0)] * layers  # (B, Hkv, <= window, D)
@@ -240,20 +289,20 @@ class BoundedRunner:
         """Bytes of what the middle keeps, over layers."""
         if not self.seen:
             return 0
-        return sum(tensor_bytes(*self.middle(i)) for i in range(len(self.sink_k)))
+        return sum(tensor_bytes(*self.middle(i)) for i in self.bounded_layers)
 
     # the cache
     @property
     def window_count(self) -> int:
         """Tokens in the window now."""
-        return self.window_k[0].shape[2] if self.seen else 0
+        return self.window_k[self.ref].shape[2] if self.seen else 0
 
     @property
     def entry_count(self) -> int:
-        """Entries per layer now: the next chunk's keys follow them in the cache."""
+        """Entries per bounded layer now: the next chunk's keys follow them in the cache."""
         if self.seen == 0:
             return 0
-        return self.sink_k[0].shape[2] + self.middle_count + self.window_count
+        return self.sink_k[self.ref].shape[2] + self.middle_count + self.window_count
 
     @property
     def position(self) -> int:
@@ -272,60 +321,68 @@ class BoundedRunner:
         if excess > 0:
             excess = min(max(excess, self.leave_at_once), self.window_count)
             first = self.seen - self.window_count
-            for i in range(len(self.window_k)):
+            for i in self.bounded_layers:
                 k, v = self.window_k[i], self.window_v[i]
                 self.absorb(i, k[:, :, :excess], v[:, :, :excess], first)
                 self.window_k[i], self.window_v[i] = k[:, :, excess:], v[:, :, excess:]
         return to_sinks
 
     def build_cache(self) -> DynamicCache:
-        """The entries of every layer rotated at their cache index."""
+        """The entries of every bounded layer rotated at their cache index; a sliding layer's
+        window at the positions just before the chunk's."""
         cache = DynamicCache()
         n = self.entry_count
         if n == 0:
             return cache
-        device = self.sink_k[0].device
-        cos, sin = angles_at(torch.arange(n, device=device), self.inv_freq)
-        for i in range(len(self.sink_k)):
+        for i, w in enumerate(self.windows):
             mid_k, mid_v = self.middle(i)
             dtype = self.window_k[i].dtype
             k = torch.cat([self.sink_k[i], mid_k.to(dtype), self.window_k[i]], dim=2)
             v = torch.cat([self.sink_v[i], mid_v.to(dtype), self.window_v[i]], dim=2)
+            positions = torch.arange(n - k.shape[2] if w else 0, n, device=k.device)
+            cos, sin = angles_at(positions, self.inv_freqs[i])
             cache.update(rotate(k.double(), cos, sin).to(dtype), v, i)
         return cache
 
-    def keep_chunk(self, cache: DynamicCache, n: int, to_sinks: int) -> None:
-        """Un-rotate the chunk's keys (cache indices n, n + 1, ...) and keep them."""
-        L = cache.layers[0].keys.shape[2] - n
-        positions = torch.arange(n, n + L, device=cache.layers[0].keys.device)
-        cos, sin = angles_at(-positions, self.inv_freq)
+    def keep_chunk(self, cache: DynamicCache, first: int, L: int, to_sinks: int) -> None:
+        """Un-rotate the chunk's keys (the last L of each layer's cache, at positions first,
+        first + 1, ...) and keep them."""
         for i, layer in enumerate(cache.layers):
-            k = rotate(layer.keys[:, :, n:].double(), cos, sin).to(layer.keys.dtype)
-            self.keep(i, k, layer.values[:, :, n:], to_sinks)
+            k, v = layer.keys[:, :, -L:], layer.values[:, :, -L:]
+            positions = torch.arange(first, first + L, device=k.device)
+            cos, sin = angles_at(-positions, self.inv_freqs[i])
+            k = rotate(k.double(), cos, sin).to(k.dtype)
+            self.keep(i, k, v, to_sinks if self.windows[i] is None else 0)
 
     def keep(self, layer: int, k: Tensor, v: Tensor, to_sinks: int) -> None:
         """The chunk's keys k (B, Hkv, L, D) and values: the first to_sinks to the sinks, the
-        rest to the window."""
+        rest to the window (a sliding layer's: its last window - 1 tokens)."""
         if self.seen == 0:
             self.sink_k[layer], self.sink_v[layer] = k[:, :, :0], v[:, :, :0]
             self.window_k[layer], self.window_v[layer] = k[:, :, :0], v[:, :, :0]
         self.sink_k[layer] = torch.cat([self.sink_k[layer], k[:, :, :to_sinks]], dim=2)
         self.sink_v[layer] = torch.cat([self.sink_v[layer], v[:, :, :to_sinks]], dim=2)
-        self.window_k[layer] = torch.cat([self.window_k[layer], k[:, :, to_sinks:]], dim=2)
-        self.window_v[layer] = torch.cat([self.window_v[layer], v[:, :, to_sinks:]], dim=2)
+        k = torch.cat([self.window_k[layer], k[:, :, to_sinks:]], dim=2)
+        v = torch.cat([self.window_v[layer], v[:, :, to_sinks:]], dim=2)
+        w = self.windows[layer]
+        if w is not None:  # a sliding layer's next query reaches its last w - 1 tokens
+            k, v = k[:, :, max(k.shape[2] - (w - 1), 0) :], v[:, :, max(v.shape[2] - (w - 1), 0) :]
+        self.window_k[layer], self.window_v[layer] = k, v
 
     def forward(self, ids: Tensor) -> Tensor:
         """Logits (B, L, V) of ids (B, L) at the next cache indices, after making room."""
         B, L = ids.shape
         to_sinks = self.make_room(L)
         cache = self.build_cache()
-        n, first = cache.get_seq_length(), self.position
+        first = self.position
         pos = torch.arange(first, first + L, device=ids.device).expand(B, L)
         hooks = self.hooks(L)
-        self.count_attended(n, L)
+        if hooks is None and self.bounded_layers != list(range(len(self.windows))):
+            hooks = AttentionHooks()  # longkv's attention keeps each sliding layer's window
+        self.count_attended(self.entry_count, L)
         with nullcontext() if hooks is None else hooked(self.model, hooks):
             logits = compat.forward(self.model, ids, pos, cache)
-        self.keep_chunk(cache, n, to_sinks)
+        self.keep_chunk(cache, first, L, to_sinks)
         self.seen += L
         if hooks is not None:
             self.observed(hooks)

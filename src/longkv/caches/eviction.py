@@ -88,7 +88,7 @@ class SnapKVRunner(BoundedRunner):
 
     @property
     def middle_count(self) -> int:
-        kept = self.kept_k[0]
+        kept = self.kept_k[self.ref]
         return 0 if kept is None else kept.shape[2]
 
     def middle(self, layer: int) -> tuple[Tensor, Tensor]:
@@ -114,6 +114,6 @@ class SnapKVRunner(BoundedRunner):
         return AttentionHooks(observe=min(self.config.observe, chunk))
 
     def observed(self, hooks: AttentionHooks) -> None:
-        for i in range(len(self.scores)):
+        for i in self.bounded_layers:
             s = self.sink_k[i].shape[2]
             self.scores[i] = pooled(hooks.seen[i][:, :, s:], self.config.pool)

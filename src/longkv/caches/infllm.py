@@ -101,7 +101,7 @@ class InfLLMRunner(RetrievalRunner):
         """The oldest window tokens (keys as the model rotated them) join the memory without
         their rotation; every block they fill gets its representatives."""
         m, block, r = keys.shape[2], self.config.block, self.config.representatives
-        plain = self.unrotated(keys, first)
+        plain = self.unrotated(layer, keys, first)
         store = self.leaves[layer]
         n = 0 if store is None else len(store)
         unit = torch.arange(n, n + m, device=keys.device) // block
@@ -139,10 +139,10 @@ class InfLLMRunner(RetrievalRunner):
             to_sinks = min(max(config.sinks - first, 0), L)  # the chunk's tokens that become sinks
             G, high = H // Hkv, torch.promote_types(q.dtype, torch.float32)
             ahead = torch.arange(first, first + L, device=q.device)
-            cos, sin = angles_at(config.window_len - 1 - ahead, self.inv_freq)
+            cos, sin = angles_at(config.window_len - 1 - ahead, self.inv_freqs[layer])
             q_mem = rotate(q.double(), cos, sin).to(high)  # each query at window - 1
             q_g = (grouped(q.to(high), Hkv) * scale).view(B, Hkv, G, L, D)
-            memory_k = self.unrotated(sinks.keys, 0).to(high)
+            memory_k = self.unrotated(layer, sinks.keys, 0).to(high)
             memory_v = sinks.values.to(high)
             opened, count, got = self.retrieve(layer, q_mem)
             if got is not None:

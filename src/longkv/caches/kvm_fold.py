@@ -211,7 +211,7 @@ class KVMFoldRunner(BoundedRunner):
 
     @property
     def middle_count(self) -> int:
-        state = self.states[0]
+        state = self.states[self.ref]
         return 0 if state is None else state.num_slots
 
     def middle(self, layer: int) -> tuple[Tensor, Tensor]:
@@ -259,7 +259,8 @@ class KVMFoldRunner(BoundedRunner):
             raise ValueError("fates: the runner was built without track=True")
         tally = dict.fromkeys(("exact", "founded", "merged", "dropped"), 0)
         counts: list[Tensor] = []
-        for state, log in zip(self.states, self.destinations, strict=True):
+        for i in self.bounded_layers:
+            state, log = self.states[i], self.destinations[i]
             absorbed = 0
             for first, dest in log:
                 lo, hi = max(start, first), min(stop, first + dest.shape[2])
@@ -275,7 +276,7 @@ class KVMFoldRunner(BoundedRunner):
                 tally["merged"] += int((~dropped & ~founded).sum())
                 counts.append(state.count.gather(2, slot)[founded])
                 absorbed += d.numel()
-            B, Hkv = self.window_k[0].shape[:2]
+            B, Hkv = self.window_k[i].shape[:2]
             tally["exact"] += B * Hkv * (stop - start) - absorbed
         total = sum(tally.values())
         founded_counts = torch.cat(counts) if counts else torch.zeros(0)
@@ -289,7 +290,9 @@ class KVMFoldRunner(BoundedRunner):
             return None
         bias: list[Tensor | None] = []
         for i, state in enumerate(self.states):
-            assert state is not None
+            if state is None:  # a sliding layer, which keeps its own window
+                bias.append(None)
+                continue
             zeros = state.count.new_zeros
             B, Hkv = state.count.shape[:2]
             tail = self.window_count + chunk

@@ -199,16 +199,20 @@ class BoundedOptions:
         options += [self.kvm_slot_score] if self.kvm_slot_score != "mean" else []
         return "/".join(["", f"open{k}", *options])
 
-    def check_runs(self, model: nn.Module, methods: tuple[str, ...]) -> dict[str, BoundedConfig]:
+    def check_runs(
+        self, model: nn.Module, methods: tuple[str, ...], field: str = "methods"
+    ) -> dict[str, BoundedConfig]:
         """`bounded_configs`, after a SettingError unless every bounded run fits the model: its
         budget within the model's positions (on `budgets`), the model one a bounded cache can
-        run (on `methods`)."""
+        run (on `field`, the setting that names the methods)."""
         configs = self.bounded_configs(methods)
         for label, config in configs.items():
             with refused_as(self, "budgets", f"{label}: {{}}"):
                 check_budget(model, config.budget)
-            cannot = f"{method_of(label)} cannot run on this model ({{}}); leave it out, e.g. "
-            with refused_as(self, "methods", cannot + "--methods full fold"):
+            cannot = (
+                f"{method_of(label)} cannot run on this model ({{}}); read it with full or fold"
+            )
+            with refused_as(self, field, cannot):
                 check_bounded(model, config.budget, label)
         return configs
 

@@ -68,10 +68,11 @@ class RetrievalRunner(BoundedRunner):
         """The next token's position: the exact fold's."""
         return self.seen
 
-    def unrotated(self, keys: Tensor, first: int) -> Tensor:
-        """keys (B, Hkv, m, D) of the tokens first, first + 1, ... with their rotation undone."""
+    def unrotated(self, layer: int, keys: Tensor, first: int) -> Tensor:
+        """A layer's keys (B, Hkv, m, D) of the tokens first, first + 1, ... with their rotation
+        undone."""
         positions = torch.arange(first, first + keys.shape[2], device=keys.device)
-        cos, sin = angles_at(-positions, self.inv_freq)
+        cos, sin = angles_at(-positions, self.inv_freqs[layer])
         return rotate(keys.double(), cos, sin).to(keys.dtype)
 
     def keep_leaves(self, layer: int, keys: Tensor, values: Tensor, owner: Tensor) -> LeafStore:
@@ -98,7 +99,7 @@ class RetrievalRunner(BoundedRunner):
     def routes(self) -> bool:
         """Whether the next forward runs the method's attention (`attend`): once tokens have left
         the window."""
-        return self.leaves[0] is not None
+        return self.leaves[self.ref] is not None
 
     def parts(self, layer: int) -> tuple[Part, Part, Part]:
         """The layer's bounded part: sinks, middle and window, keys as rotated (B, Hkv, n, D)."""
@@ -108,27 +109,33 @@ class RetrievalRunner(BoundedRunner):
         )  # fmt: skip
 
     def build_cache(self) -> DynamicCache:
-        """Every layer's bounded part [sinks | middle | window], as rotated; nothing while the
-        cache routes: each layer's `attend` reads the part from the runner (`parts`), and the
-        model's cache holds the chunk alone."""
+        """Every layer's bounded part [sinks | middle | window], as rotated (a sliding layer's:
+        its window); while the cache routes, a sliding layer's alone: each bounded layer's
+        `attend` reads the part from the runner (`parts`), and the model's cache holds the
+        chunk alone."""
         cache = DynamicCache()
-        if self.seen == 0 or self.routes():
+        if self.seen == 0:
             return cache
+        routes = self.routes()
         for i in range(len(self.sink_k)):
+            if routes and self.windows[i] is None:
+                continue
             mid_k, mid_v = self.middle(i)
             k = torch.cat([self.sink_k[i], mid_k, self.window_k[i]], dim=2)
             cache.update(k, torch.cat([self.sink_v[i], mid_v, self.window_v[i]], dim=2), i)
         return cache
 
-    def keep_chunk(self, cache: DynamicCache, n: int, to_sinks: int) -> None:
-        """The chunk's keys as the model rotated them (cache indices n, n + 1, ...)."""
+    def keep_chunk(self, cache: DynamicCache, first: int, L: int, to_sinks: int) -> None:
+        """The chunk's keys (the last L of each layer's cache) as the model rotated them."""
         for i, layer in enumerate(cache.layers):
-            self.keep(i, layer.keys[:, :, n:], layer.values[:, :, n:], to_sinks)
+            sinks = to_sinks if self.windows[i] is None else 0
+            self.keep(i, layer.keys[:, :, -L:], layer.values[:, :, -L:], sinks)
 
     def hooks(self, chunk: int) -> AttentionHooks | None:
         if not self.routes():
             return None  # plain attention
-        return AttentionHooks(attend=[self.attend(i) for i in range(len(self.leaves))])
+        attend = [None if w else self.attend(i) for i, w in enumerate(self.windows)]
+        return AttentionHooks(attend=attend)
 
     def count_attended(self, entries: int, L: int) -> None:
         """While the cache routes, each layer's attention counts per query head."""
@@ -148,7 +155,7 @@ class RetrievalRunner(BoundedRunner):
         ):
             if scores is None or opened is None or leaves is None:
                 continue
-            sinks = self.sink_k[0].shape[2]  # leaf j is token sinks + j
+            sinks = self.sink_k[self.ref].shape[2]  # leaf j is token sinks + j
             lo, hi = max(start - sinks, 0), min(stop - sinks, len(leaves))
             if lo >= hi:
                 continue
@@ -165,7 +172,7 @@ class RetrievalRunner(BoundedRunner):
             return {"left": 0.0}
         rank = torch.cat(ranks)
         scores = next(x for x in self.last_scores if x is not None)
-        total = (stop - start) * scores.shape[0] * scores.shape[1] * len(self.leaves)
+        total = (stop - start) * scores.shape[0] * scores.shape[1] * len(self.bounded_layers)
         return {
             "left": rank.numel() / total,
             "routed": float(torch.cat(routed).double().mean()),

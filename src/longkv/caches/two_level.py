@@ -85,8 +85,8 @@ class TwoLevelRunner(RetrievalRunner, KVMFoldRunner):
     def absorb(self, layer: int, keys: Tensor, values: Tensor, first: int) -> None:
         """keys (rotated, as the model produced them) become leaves of the slots their
         un-rotated keys founded or joined."""
-        sinks = self.unrotated(self.sink_k[layer], 0)
-        dest = self.fold_in(layer, self.unrotated(keys, first), values, first, sinks)
+        sinks = self.unrotated(layer, self.sink_k[layer], 0)
+        dest = self.fold_in(layer, self.unrotated(layer, keys, first), values, first, sinks)
         self.readouts[layer] = None
         self.keep_leaves(layer, keys, values, dest)
         B, Hkv, m, _ = keys.shape
@@ -114,7 +114,7 @@ class TwoLevelRunner(RetrievalRunner, KVMFoldRunner):
         if self.config.slot_key == "rotated":
             keys = means[..., :-1]
         else:  # the mean un-rotated key, rotated at the mean position
-            cos, sin = angles_at(means[..., -1].reshape(-1), self.inv_freq)
+            cos, sin = angles_at(means[..., -1].reshape(-1), self.inv_freqs[layer])
             at = (*means.shape[:-1], -1)
             keys = rotate(state.key_sum.double() / count, cos.view(at), sin.view(at))
         kept = self.readouts[layer] = (keys.to(dtype), read_slots(state, "mean")[1].to(dtype))

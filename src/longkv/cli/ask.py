@@ -122,7 +122,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         document = path.read_text(encoding="utf-8")
     model, tokenizer = m.load(o.dtype)
     ids = prompt_ids(tokenizer, document, o.question, o.chat)
-    configs = o.check_runs(model, (o.method,))
+    configs = o.check_runs(model, (o.method,), "method")
     label = o.labels((o.method,))[0]
     config = configs.get(label)
     needed = len(ids) + o.max_new_tokens - 1  # the last answer token is never read

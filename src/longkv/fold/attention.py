@@ -77,8 +77,16 @@ def visible_keys(mask: str, L: int, Lk: int, device: torch.device | None = None)
     return (j < Lk - L) | (j == Lk - L + i)
 
 
+def within_window(L: int, Lk: int, window: int, device: torch.device | None = None) -> Tensor:
+    """(L, Lk) bool: the keys fewer than `window` positions before each of the L queries (the
+    last L of the Lk keys), as a sliding-window layer sees them."""
+    i = torch.arange(L, device=device)[:, None]
+    j = torch.arange(Lk, device=device)[None, :]
+    return j > Lk - L + i - window
+
+
 _ACTIVE: ContextVar[AttentionHooks | None] = ContextVar("longkv_attention_hooks", default=None)
-UNSUPPORTED = ("sliding_window", "softcap", "s_aux")
+UNSUPPORTED = ("softcap", "s_aux")
 
 
 def bounded_attention(
@@ -94,7 +102,8 @@ def bounded_attention(
     """Attention of query (B, H, L, D) on key, value (B, Hkv, Lk, D): output (B, L, H, Dv).
 
     attention_mask is ignored: no mask is built for this implementation, and the fold's rows
-    carry no padding.
+    carry no padding. A sliding-window layer (`sliding_window` W) also hides the keys W or more
+    positions before the query's own (the last L keys are the queries' own).
     """
     hooks = _ACTIVE.get()
     if hooks is None:
@@ -121,6 +130,9 @@ def bounded_attention(
     q = query.to(high).view(B, Hkv, G, L, D)
     scores = q @ key.to(high).unsqueeze(2).transpose(-1, -2) * scale  # (B, Hkv, G, L, Lk)
     visible = visible_keys(hooks.mask, L, Lk, query.device)
+    window = kwargs.get("sliding_window")
+    if isinstance(window, int):
+        visible = visible & within_window(L, Lk, window, query.device)
     scores = scores.masked_fill(~visible, float("-inf"))
     bias = None if hooks.bias is None else hooks.bias[layer]
     if bias is not None:
