@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -17,7 +18,8 @@ from transformers import (
 )
 
 from conftest import HF_ARCHS, TINY_HF, tiny_hf
-from longkv.fold import fold_generate, kv_fold
+from longkv.fold import compat, fold_generate, kv_fold
+from longkv.fold import fold as fold_module
 
 V, T = TINY_HF["vocab_size"], 100
 
@@ -87,6 +89,52 @@ def test_prefix_is_inserted_before_every_chunk() -> None:
     assert (fold.nll - nll[:, scored]).abs().max().item() <= 1e-5
     assert fold.logits is not None and (fold.logits - full[:, real]).abs().max().item() <= 1e-5
     assert fold.next_position == stream.shape[1]
+
+
+def recording(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The `output` of every model forward the fold makes, in order."""
+    outputs: list[str] = []
+    plain = compat.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        outputs.append(args[4] if len(args) > 4 else kwargs.get("output", "logits"))
+        return plain(*args, **kwargs)
+
+    monkeypatch.setattr(compat, "forward", forward)
+    return outputs
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "gpt2"])
+@pytest.mark.parametrize(("chunk", "variant"), [(T, "exact"), (30, "exact"), (30, "bos")])
+def test_long_forwards_score_from_logits_made_a_block_at_a_time(
+    monkeypatch: pytest.MonkeyPatch, arch: str, chunk: int, variant: str
+) -> None:
+    """A forward longer than LOGIT_ROWS never holds all its logits: its NLL, logits and last
+    logits, made from its hidden states 7 rows at a time, are those of its whole logits."""
+    model = tiny(arch)
+    model.config.bos_token_id = 1  # GPT-2's own is past the tiny vocabulary
+    ids = torch.randint(2, V, (2, T), generator=torch.Generator().manual_seed(9))
+    whole = kv_fold(model, ids, chunk, return_logits=True, variant=variant)
+    monkeypatch.setattr(fold_module, "LOGIT_ROWS", 7)
+    outputs = recording(monkeypatch)
+    blocks = kv_fold(model, ids, chunk, return_logits=True, variant=variant)
+    assert outputs == ["hidden"] * -(-T // chunk)
+    assert whole.logits is not None and blocks.logits is not None
+    assert blocks.nll.shape == whole.nll.shape == (2, T - 1)
+    assert (blocks.nll - whole.nll).abs().max().item() <= 1e-5
+    assert (blocks.logits - whole.logits).abs().max().item() <= 1e-5
+    assert (blocks.last_logits - whole.last_logits).abs().max().item() <= 1e-5
+
+
+def test_a_read_to_decode_from_makes_its_last_logits_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tiny("gemma3")
+    model.generation_config.eos_token_id = None
+    ids = torch.randint(0, V, (1, 40), generator=torch.Generator().manual_seed(10))
+    ref = fold_generate(model, ids, 16, max_new_tokens=5)
+    outputs = recording(monkeypatch)
+    assert torch.equal(fold_generate(model, ids, 16, max_new_tokens=5), ref)
+    assert outputs == ["last"] * 3 + ["logits"] * 4  # 3 chunks read, 4 tokens fed back
+    assert kv_fold(model, ids, 16, score=False).nll.shape == (1, 0)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])

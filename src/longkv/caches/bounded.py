@@ -369,8 +369,9 @@ class BoundedRunner:
             k, v = k[:, :, max(k.shape[2] - (w - 1), 0) :], v[:, :, max(v.shape[2] - (w - 1), 0) :]
         self.window_k[layer], self.window_v[layer] = k, v
 
-    def forward(self, ids: Tensor) -> Tensor:
-        """Logits (B, L, V) of ids (B, L) at the next cache indices, after making room."""
+    def forward(self, ids: Tensor, output: str = "logits") -> Tensor:
+        """Logits (B, L, V) of ids (B, L) at the next cache indices, after making room (or
+        another `output`, `compat.OUTPUTS`)."""
         B, L = ids.shape
         to_sinks = self.make_room(L)
         cache = self.build_cache()
@@ -381,13 +382,13 @@ class BoundedRunner:
             hooks = AttentionHooks()  # longkv's attention keeps each sliding layer's window
         self.count_attended(self.entry_count, L)
         with nullcontext() if hooks is None else hooked(self.model, hooks):
-            logits = compat.forward(self.model, ids, pos, cache)
+            out = compat.forward(self.model, ids, pos, cache, output)
         self.keep_chunk(cache, first, L, to_sinks)
         self.seen += L
         if hooks is not None:
             self.observed(hooks)
         self.cache = cache
-        return logits
+        return out
 
 
 def bounded_fold(
@@ -396,12 +397,14 @@ def bounded_fold(
     chunk_size: int,
     *,
     return_logits: bool = False,
+    score: bool = True,
     progress: bool = False,
     desc: str | None = None,
 ) -> FoldResult:
     """Feed input_ids (B, T) through a bounded runner chunk by chunk; nll and logits as for
-    `kv_fold` (the result's cache: the runner's `cache` after the last forward); desc labels the
-    progress bar (default: the runner's method)."""
+    `kv_fold` (the result's cache: the runner's `cache` after the last forward; score=False: a
+    read to decode from, `score_chunks`); desc labels the progress bar (default: the runner's
+    method)."""
     check_input(input_ids, chunk_size)
     runner.check_room(input_ids.shape[1])
     if chunk_size > runner.config.window_len:
@@ -411,7 +414,7 @@ def bounded_fold(
         )
     return score_chunks(
         runner, input_ids, chunk_size,
-        return_logits=return_logits, progress=progress, desc=desc or runner.method,
+        return_logits=return_logits, score=score, progress=progress, desc=desc or runner.method,
     )  # fmt: skip
 
 
@@ -438,9 +441,11 @@ def bounded_generate(
     reference reads it."""
     runner.check_room(input_ids.shape[1] + max_new_tokens - 1)  # the last token is not read
     if input_ids.shape[1] > 1:
-        bounded_fold(runner, input_ids[:, :-1], chunk_size, progress=progress, desc=desc)
+        bounded_fold(
+            runner, input_ids[:, :-1], chunk_size, score=False, progress=progress, desc=desc
+        )
     with torch.inference_mode():
-        logits = runner.forward(input_ids[:, -1:])[:, -1]
+        logits = runner.forward(input_ids[:, -1:], "last")[:, -1]
     if after_prompt is not None:
         after_prompt()
     return continue_decode(

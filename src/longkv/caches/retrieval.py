@@ -194,7 +194,8 @@ class RetrievalRunner(BoundedRunner):
         tokens read so far and `tokens` more (`check_exact_positions`)."""
         check_exact_positions(self.model, self.seen + tokens, "the input read so far and to come")
 
-    def forward(self, ids: Tensor) -> Tensor:
-        """Logits (B, L, V) of ids (B, L) at the next positions, after making room."""
+    def forward(self, ids: Tensor, output: str = "logits") -> Tensor:
+        """Logits (B, L, V) of ids (B, L) at the next positions, after making room (or another
+        `output`, `compat.OUTPUTS`)."""
         self.check_room(ids.shape[1])
-        return super().forward(ids)
+        return super().forward(ids, output)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 
+import torch
 import transformers
 from packaging.version import Version
 from torch import Tensor, nn
@@ -51,9 +52,34 @@ def accepts_cache(model: nn.Module) -> bool:
     return CACHE_ARG in params and "position_ids" in params
 
 
-def forward(model: nn.Module, input_ids: Tensor, position_ids: Tensor, cache: Cache) -> Tensor:
-    """Logits (B, L, V) of input_ids (B, L) at position_ids (B, L); `cache` grows in place."""
-    out = model(
-        input_ids=input_ids, position_ids=position_ids, use_cache=True, **{CACHE_ARG: cache}
-    )
-    return out.logits
+# what a forward returns: every position's logits (B, L, V), the last position's (B, 1, V), or
+# the final hidden states (B, L, d), turned into logits by `head` a block of positions at a time
+OUTPUTS = ("logits", "last", "hidden")
+
+
+def forward(
+    model: nn.Module,
+    input_ids: Tensor,
+    position_ids: Tensor,
+    cache: Cache,
+    output: str = "logits",
+) -> Tensor:
+    """The `output` (`OUTPUTS`) of input_ids (B, L) at position_ids (B, L); `cache` grows in
+    place."""
+    kwargs = {"input_ids": input_ids, "position_ids": position_ids, "use_cache": True}
+    kwargs[CACHE_ARG] = cache
+    if output == "hidden":
+        return model.base_model(**kwargs).last_hidden_state
+    if output == "last":
+        kwargs["logits_to_keep"] = 1
+    elif output != "logits":
+        raise ValueError(f"output: {output!r} is not one of {OUTPUTS}")
+    return model(**kwargs).logits
+
+
+def head(model: nn.Module, hidden: Tensor) -> Tensor:
+    """Logits (B, n, V) of final hidden states (B, n, d), as the model's forward makes them: its
+    output embedding, then its soft-capping where it has one (Gemma's final_logit_softcapping)."""
+    logits = model.get_output_embeddings()(hidden)
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    return logits if not cap else torch.tanh(logits / cap) * cap

@@ -88,17 +88,18 @@ class FoldRunner:
         self.period = chunk_size if variant == "restart" else None
         self.hooks = variant_hooks(variant)
 
-    def forward(self, ids: Tensor) -> Tensor:
-        """Logits (B, L, V) of ids (B, L) at the next L positions; the cache grows."""
+    def forward(self, ids: Tensor, output: str = "logits") -> Tensor:
+        """Logits (B, L, V) of ids (B, L) at the next L positions (or another `output`,
+        `compat.OUTPUTS`); the cache grows."""
         B, L = ids.shape
         pos = torch.arange(self.position, self.position + L, device=ids.device).expand(B, L)
         self.position += L
         if self.period is not None:
             pos = pos % self.period
         if self.hooks is None:
-            return compat.forward(self.model, ids, pos, self.cache)
+            return compat.forward(self.model, ids, pos, self.cache, output)
         with hooked(self.model, self.hooks):
-            return compat.forward(self.model, ids, pos, self.cache)
+            return compat.forward(self.model, ids, pos, self.cache, output)
 
 
 def check_foldable(model: nn.Module, T: int, *, allow_extrapolation: bool = False) -> None:
@@ -167,12 +168,40 @@ def check_input(input_ids: Tensor, chunk_size: int) -> None:
 class Runner(Protocol):
     """What carries a sequence between forwards: a cache and the next token's position."""
 
+    model: nn.Module
     cache: Cache
 
     @property
     def position(self) -> int: ...
 
-    def forward(self, ids: Tensor) -> Tensor: ...
+    def forward(self, ids: Tensor, output: str = "logits") -> Tensor: ...
+
+
+# the most positions of one forward whose logits are held at once: a longer forward (full
+# attention over a long input) returns its hidden states, turned into logits a block at a time
+LOGIT_ROWS = 1024
+
+
+def chunk_nll(
+    model: nn.Module, out: Tensor, hidden: bool, chunk: Tensor, P: int, last: Tensor | None
+) -> Tensor:
+    """NLL (B, n) of a chunk's tokens (B, L) from its forward's logits (B, P + L, V), or its
+    hidden states (`hidden`, turned into logits LOGIT_ROWS at a time): token j is predicted by
+    row P - 1 + j, token 0 without a prefix by `last` (B, V), the previous chunk's last logits
+    (None: the input's first token, never scored)."""
+    L = chunk.shape[1]
+    parts: list[Tensor] = []
+    first = 0
+    if last is None:
+        first = 1
+    elif P == 0:
+        parts.append(token_nll(last[:, None], chunk[:, :1]))
+        first = 1
+    for a in range(P - 1 + first, P - 1 + L, LOGIT_ROWS):
+        b = min(a + LOGIT_ROWS, P - 1 + L)
+        rows = compat.head(model, out[:, a:b]) if hidden else out[:, a:b]
+        parts.append(token_nll(rows, chunk[:, a - P + 1 : b - P + 1]))
+    return torch.cat(parts, dim=1) if parts else chunk.new_zeros(chunk.shape[0], 0).double()
 
 
 def score_chunks(
@@ -182,13 +211,15 @@ def score_chunks(
     prefix_ids: Tensor | None = None,
     *,
     return_logits: bool = False,
+    score: bool = True,
     progress: bool = False,
     desc: str = "fold",
 ) -> FoldResult:
     """Feed input_ids (B, T) chunk by chunk through the runner, each chunk after prefix_ids (P,).
 
     The logit before chunk token j is the last logit of the previous chunk (j = 0, no prefix)
-    or the one at position P - 1 + j of this chunk's forward.
+    or the one at position P - 1 + j of this chunk's forward (`chunk_nll`). score=False: a read
+    to decode from, whose forwards make their last position's logits alone (nll is empty).
     """
     B, T = input_ids.shape
     prefix = input_ids.new_zeros(0) if prefix_ids is None else prefix_ids.to(input_ids.device)
@@ -203,25 +234,22 @@ def score_chunks(
             t0 = time.perf_counter()
             chunk = input_ids[:, t * chunk_size : (t + 1) * chunk_size]
             L = chunk.shape[1]
-            logits = runner.forward(torch.cat([prefix.view(1, P).expand(B, P), chunk], dim=1))
-            if P:
-                pred, first = logits[:, P - 1 : P - 1 + L], 0
-            elif last is not None:
-                pred, first = torch.cat([last[:, None], logits[:, : L - 1]], dim=1), 0
-            else:
-                pred, first = logits[:, : L - 1], 1
-            if t == 0 and first == 0:  # token 0 of the input is never scored
-                pred, first = pred[:, 1:], 1
-            scored.append(token_nll(pred, chunk[:, first:]))
-            last = logits[:, -1].clone()  # not a view: the chunk's logits can go
+            ids = torch.cat([prefix.view(1, P).expand(B, P), chunk], dim=1)
+            hidden = score and P + L > LOGIT_ROWS
+            output = "hidden" if hidden else "logits" if score or return_logits else "last"
+            out = runner.forward(ids, output)
+            if score:
+                scored.append(chunk_nll(runner.model, out, hidden, chunk, P, last))
             if return_logits:
-                kept.append(logits[:, P:])
+                kept.append((compat.head(runner.model, out) if hidden else out)[:, P:])
+            # not a view: the chunk's logits can go
+            last = (compat.head(runner.model, out[:, -1:]) if hidden else out)[:, -1].clone()
             if input_ids.device.type == "cuda":
                 torch.cuda.synchronize(input_ids.device)
             seconds.append(time.perf_counter() - t0)
     assert last is not None
     return FoldResult(
-        nll=torch.cat(scored, dim=1),
+        nll=torch.cat(scored, dim=1) if score else input_ids.new_zeros(B, 0).double(),
         cache=runner.cache,
         last_logits=last,
         chunk_size=chunk_size,
@@ -239,6 +267,7 @@ def kv_fold(
     prefix_ids: Tensor | None = None,
     cache: Cache | None = None,
     return_logits: bool = False,
+    score: bool = True,
     allow_extrapolation: bool = False,
     reserve: int = 0,
     offload_cache: bool = False,
@@ -253,6 +282,8 @@ def kv_fold(
     variant: a departure from the exact fold, for studying drift (`longkv.fold.variants`;
     'bos' inserts the model's BOS as the prefix).
     cache: continue an earlier fold (its length is the position of input_ids[:, 0]).
+    score=False: a read to decode from, whose forwards make their last position's logits alone
+    (the result's nll is empty).
     reserve: positions to keep within the model's limit after the input (for generation).
     offload_cache: keep the cache in CPU memory between layers, for contexts larger than the
     accelerator's memory (transformers' offloaded DynamicCache; the model must be on a GPU).
@@ -276,5 +307,6 @@ def kv_fold(
     end = runner.position + T + P * -(-T // chunk_size) + reserve
     check_foldable(model, end, allow_extrapolation=allow_extrapolation)
     return score_chunks(
-        runner, input_ids, chunk_size, prefix_ids, return_logits=return_logits, progress=progress
-    )
+        runner, input_ids, chunk_size, prefix_ids,
+        return_logits=return_logits, score=score, progress=progress,
+    )  # fmt: skip

@@ -56,6 +56,7 @@ def fold_generate(
         chunk_size,
         prefix_ids=prefix_ids,
         allow_extrapolation=allow_extrapolation,
+        score=False,
         reserve=max_new_tokens - 1,  # the last new token is never fed back
         variant=variant,
         progress=progress,
