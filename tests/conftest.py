@@ -23,12 +23,14 @@ from torch import Tensor
 from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    GPT2TokenizerFast,
     LlamaConfig,
     LlamaForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
 )
 
+from longkv.data.corpus import GPT2_DIR
 from longkv.kvm import KVMState
 from longkv.models import LongKVConfig, LongKVForCausalLM
 from longkv.models.pretrained import SMOLLM2_FOLDER, cache_dir, smollm2_gguf
@@ -214,6 +216,14 @@ def over_tokenizer(tokenizer: Any) -> dict[str, Any]:
         num_attention_heads=2, num_key_value_heads=1,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
     )  # fmt: skip
+
+
+@functools.cache
+def bos_gpt2() -> Any:
+    """The GPT-2 tokenizer made to put its BOS (50256) before every text, as Gemma's does."""
+    tokenizer = GPT2TokenizerFast.from_pretrained(GPT2_DIR, add_bos_token=True)
+    assert tokenizer("x")["input_ids"] == [50256, 87]
+    return tokenizer
 
 
 def unmapped(model: LongKVForCausalLM) -> LongKVForCausalLM:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import bos_gpt2
 from longkv.data.corpus import (
     BUNDLED,
     BUNDLED_CORPUS,
@@ -14,6 +15,7 @@ from longkv.data.corpus import (
     GPT2_DIR,
     corpus_dir,
     read_text,
+    special_prefix,
     text_tokens,
     training_corpus_dir,
 )
@@ -39,6 +41,20 @@ def test_the_shipped_texts_cover_the_default_commands() -> None:
         assert len(read_text(name)) > 400_000, name  # a whole novel
     tok = gpt2_tokenizer()
     assert tok.decode(text_tokens(tok, 8)).startswith("ETYMOLOGY. (Supplied")  # Moby-Dick
+
+
+def test_text_tokens_start_as_the_tokenizer_starts_a_text() -> None:
+    """A tokenizer that adds a BOS gets it first, in the n tokens asked for; GPT-2 adds none."""
+    plain, bos = gpt2_tokenizer(), bos_gpt2()
+    assert special_prefix(plain) == [] and special_prefix(bos) == [50256]
+    assert text_tokens(bos, 9) == [50256, *text_tokens(plain, 8)]
+
+    class Rewrites:  # a tokenizer whose special tokens change the text's own ids
+        def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+            return {"input_ids": [1, 5] if add_special_tokens else [4]}
+
+    with pytest.raises(ValueError, match=r"\(\[1, 5\]\) do not hold the text's own \(\[4\]\)"):
+        special_prefix(Rewrites())
 
 
 def test_env_and_argument_take_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

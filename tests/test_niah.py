@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from conftest import bos_gpt2
 from longkv.data.corpus import BUNDLED_CORPUS
 from longkv.evals.haystack import ESSAY_FILES
 from longkv.evals.niah import (
@@ -114,6 +115,25 @@ def test_exact_length_long_and_other_budget(tok: Any, corpus: Path) -> None:
         assert len(s.input_ids) + BUDGET == 16384
     s = sample(tok, corpus, "niah_multivalue", 2000, 0.7, answer_budget=64)
     assert len(s.input_ids) + 64 == 2000
+
+
+@pytest.mark.parametrize("task", ["niah_single_1", "niah_single_2", "niah_multikey_3", "passkey"])
+def test_a_tokenizer_that_adds_a_bos_gets_it_first(tok: Any, corpus: Path, task: str) -> None:
+    """The BOS takes one of the prompt's tokens; the prompt's text and needles follow it."""
+    bos = bos_gpt2()
+    s = sample(bos, corpus, task, 1024, 0.5)
+    assert len(s.input_ids) + BUDGET == 1024
+    assert s.input_ids[0] == 50256 and encode(tok, s.prompt) == s.input_ids[1:]
+    for pos, answer in zip(s.needle_positions, s.answers, strict=True):
+        needle = needle_for(s, answer)
+        n = len(encode(tok, needle))
+        assert tok.decode(s.input_ids[pos : pos + n + 1]).lstrip().startswith(needle)
+    with pytest.raises(ValueError, match="too small") as err:
+        sample(bos, corpus, task, 150, 0.5)
+    least = int(re.search(r"context_len >= (\d+)", str(err.value)).group(1))
+    with pytest.raises(ValueError, match=f"context_len >= {least - 1}"):
+        sample(tok, corpus, task, 150, 0.5)  # one token less without the BOS
+    assert len(sample(bos, corpus, task, least, 0.5).input_ids) + BUDGET == least
 
 
 def test_exact_length_sentencepiece_style_tokenizer(corpus: Path) -> None:

@@ -81,14 +81,33 @@ def read_text(name: str, path: str | os.PathLike[str] | None = None) -> str:
     return read_document(file)
 
 
+def special_prefix(tokenizer: Any) -> list[int]:
+    """The ids a tokenizer puts before a text's own: its BOS where it adds one (Gemma's
+    `<bos>`), none for GPT-2 or SmolLM2. A model reads every input after them, as it was
+    trained to."""
+    plain = list(tokenizer("x", add_special_tokens=False)["input_ids"])
+    ids = list(tokenizer("x")["input_ids"])
+    for i in range(len(ids) - len(plain) + 1):
+        if ids[i : i + len(plain)] == plain:
+            return ids[:i]
+    raise ValueError(
+        f"the tokenizer's ids of a text with its special tokens ({ids}) do not hold the text's "
+        f"own ({plain}); longkv cannot tell which ids it puts before a text"
+    )
+
+
 def text_tokens(
     tokenizer: Any,
     n_tokens: int,
     name: str = DEFAULT_TEXT,
     path: str | os.PathLike[str] | None = None,
 ) -> list[int]:
-    """The first n_tokens token ids of a corpus file under the tokenizer (no special tokens)."""
+    """n_tokens token ids: the tokenizer's `special_prefix`, then the first tokens of a corpus
+    file."""
+    prefix = special_prefix(tokenizer)
     ids: list[int] = tokenizer(read_text(name, path), add_special_tokens=False)["input_ids"]
-    if len(ids) < n_tokens:
-        raise ValueError(f"{name} holds {len(ids)} tokens, fewer than the {n_tokens} asked for")
-    return ids[:n_tokens]
+    if len(prefix) + len(ids) < n_tokens:
+        raise ValueError(
+            f"{name} holds {len(ids)} tokens, fewer than the {n_tokens - len(prefix)} asked for"
+        )
+    return prefix + ids[: n_tokens - len(prefix)]

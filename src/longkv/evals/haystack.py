@@ -19,7 +19,8 @@ re-tokenizing the whole prompt until `len(input_ids) == target`. When no prefix 
 units gives the exact count (with GPT-2: a one-token gap in the noise and needle haystacks,
 whose lines each start with a newline token; about 1 length in 20), one or two extra joiners
 are used instead: a blank line (or a space) before the question. In all these cases
-`input_ids == tokenizer(prompt, add_special_tokens=False)["input_ids"]` (no BOS). Last resort,
+`input_ids == tokenizer(prompt, add_special_tokens=False)["input_ids"]` (the sample puts the
+tokenizer's special prefix before them, `longkv.evals.niah`). Last resort,
 for tokenizers whose merges leave the count unreachable that way: the ids are spliced (the ids
 of header + whole units, the first k ids of the following units, the question's ids), exact by
 construction, and `prompt = tokenizer.decode(input_ids)`; re-tokenizing that prompt may merge
@@ -202,9 +203,10 @@ class PromptBuilder:
         return prompt, _encode(self.tok, prompt), sorted(starts)
 
     def fit(
-        self, target: int, task: str, context_len: int, budget: int
+        self, target: int, task: str, context_len: int
     ) -> tuple[str, list[int], list[tuple[int, int]]]:
-        """The longest whole-unit prompt within target tokens, then a fragment to hit it."""
+        """The longest whole-unit prompt within target tokens, then a fragment to hit it (the
+        rest of context_len is the answer budget and the tokenizer's special tokens)."""
         fixed = len(_encode(self.tok, self.header + self.footer)) + sum(
             len(_encode(self.tok, self.joiner + t)) for t, _ in self.needles
         )
@@ -231,8 +233,8 @@ class PromptBuilder:
                 if n == 0:
                     raise ValueError(
                         f"context_len={context_len} is too small for {task}: the prompt template"
-                        f" and needle(s) alone take {size} tokens; with answer_budget={budget}"
-                        f" that needs context_len >= {size + budget}"
+                        f" and needle(s) alone take {size} tokens; with the answer budget and"
+                        f" special tokens that needs context_len >= {size + context_len - target}"
                     )
                 hi = n
                 m, excess = n, size - target

@@ -59,6 +59,10 @@ is parallel to `answers`: entry i is the token index in `input_ids` where the ne
 space joiner that token also holds the space, e.g. GPT-2's " One"). Distractor needles
 (multikey_1's three other keys, every line of the needle haystack) are not listed.
 
+Special tokens. `input_ids` starts with the ids the tokenizer puts before a text
+(`longkv.data.corpus.special_prefix`: Gemma's `<bos>`; none for GPT-2 or SmolLM2), as the model
+was trained to read; `prompt` is the text after them.
+
 Exact length. `len(input_ids) == context_len - answer_budget`: whole units, then a fragment of
 the next unit (`longkv.evals.haystack` gives the method and its fallbacks), so the haystack
 usually ends with a partial sentence or line (for the needle haystack a truncated distractor
@@ -86,6 +90,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from longkv.data.corpus import corpus_dir as corpus_dir_of
+from longkv.data.corpus import special_prefix
 from longkv.evals.haystack import PromptBuilder, Units, essay_sentences, token_start
 
 TASKS: tuple[str, ...] = (
@@ -170,7 +175,8 @@ _JOINERS = {"noise": "\n", "needle": "\n", "essay": " ", "passkey": " "}
 
 @dataclass(frozen=True)
 class NiahSample:
-    """One prompt: `prompt` is the full text the model continues; `input_ids` its tokens.
+    """One prompt: `prompt` is the full text the model continues; `input_ids` its tokens, after
+    the tokenizer's special prefix (its BOS, where it adds one).
 
     `len(input_ids) + answer_budget == context_len`. `needle_positions[i]` is the token index
     where the needle carrying `answers[i]` starts (distractor needles are not listed).
@@ -261,8 +267,13 @@ def make_sample(
     else:
         units = Units(tokenizer, _JOINERS[spec.haystack], itertools.repeat(NOISE_LINE))
     builder = PromptBuilder(tokenizer, header, footer, needles, [float(depth), *others], units)
-    prompt, ids, starts = builder.fit(context_len - answer_budget, task, context_len, answer_budget)
-    positions = [token_start(tokenizer, prompt, ids, s, needles[i][0]) for i, s in starts]
+    prefix = special_prefix(tokenizer)
+    target = context_len - answer_budget - len(prefix)
+    prompt, ids, starts = builder.fit(target, task, context_len)
+    positions = [
+        len(prefix) + token_start(tokenizer, prompt, ids, s, needles[i][0]) for i, s in starts
+    ]
+    ids = prefix + ids
     return NiahSample(
         task=task,
         context_len=context_len,
