@@ -207,7 +207,7 @@ def test_a_missing_model_is_one_line(
     err = capsys.readouterr().err
     assert err == (
         "longkv: error: model '/nonexistent/model': no such folder; pass a model folder, "
-        "a hub id or smollm2\n"
+        "a GGUF file, a hub id, or one of smollm2, gemma3\n"
     )
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     assert main(["niah", "--model", "longkv-tests/no-such-model"]) == 2

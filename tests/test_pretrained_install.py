@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 from pathlib import Path
 
@@ -10,6 +11,12 @@ import pytest
 
 from longkv.cli.main import main
 from longkv.models import pretrained
+
+
+def at(monkeypatch: pytest.MonkeyPatch, gguf: Path) -> None:
+    """The default model's GGUF is `gguf`."""
+    default = dataclasses.replace(pretrained.PACKAGED["smollm2"], gguf=lambda scratch: gguf)
+    monkeypatch.setitem(pretrained.PACKAGED, "smollm2", default)
 
 
 def test_without_the_model_package_the_error_names_both_install_steps(
@@ -36,7 +43,7 @@ def test_without_gguf_the_conversion_is_refused_with_the_same_steps(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, installed: str | None
 ) -> None:
     monkeypatch.setenv("LONGKV_CACHE", str(tmp_path))  # nothing converted yet
-    monkeypatch.setattr(pretrained, "smollm2_gguf", lambda: tmp_path / "model.gguf")
+    at(monkeypatch, tmp_path / "model.gguf")
 
     def version(name: str) -> str:
         if name == "gguf" and installed is None:
@@ -54,7 +61,7 @@ def test_the_one_time_conversion_says_so_and_leaves_nothing_when_it_fails(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("LONGKV_CACHE", str(tmp_path))
-    monkeypatch.setattr(pretrained, "smollm2_gguf", lambda: tmp_path / "model.gguf")
+    at(monkeypatch, tmp_path / "model.gguf")
     monkeypatch.setattr(pretrained, "version", lambda name: "0.17.1")
 
     def stop(*args: object, **kwargs: object) -> None:

@@ -63,10 +63,8 @@ def layer_windows(model: nn.Module) -> list[int | None]:
         attn = getattr(layers[i], "self_attn", None) if i < len(layers) else None
         if hasattr(attn, "sliding_window"):
             out.append(attn.sliding_window)
-        elif types is not None:
-            out.append(window if types[i] == "sliding_attention" else None)
-        else:
-            out.append(window)
+        else:  # the layer type's window; with no types, every layer's (Mistral)
+            out.append(window if types is None or types[i] == "sliding_attention" else None)
     return out
 
 
@@ -104,12 +102,11 @@ def check_bounded(model: nn.Module, budget: int, method: str) -> list[Tensor]:
     other layers."""
     if not compat.keeps_keys_and_values(model):
         refuse(
-            None,
-            "model",
+            None, "model",
             f"{method} evicts and re-rotates per-layer cached keys and values, but "
             f"{type(model).__name__} carries KVM states and window caches instead; run it with "
             "KV-Fold (its own chunked prefill) or full attention",
-        )
+        )  # fmt: skip
     name = type(model).__name__
     tables = rope_tables(model)
     if isinstance(tables, str):

