@@ -54,7 +54,8 @@ def rank_of(q: Tensor, entries: Entries, count: Tensor) -> Tensor:
 
 
 def fast(
-    q: Tensor, entries: Entries, count: Tensor | None, owner: Tensor, opened: Tensor
+    q: Tensor, entries: Entries, count: Tensor | None, owner: Tensor, opened: Tensor,
+    q_mem: Tensor | None = None,
 ) -> Tensor:  # fmt: skip
     """routed_attention over the bounded part (sinks, read-outs, window), the chunk and the
     leaves of the opened units, gathered from a leaf store."""
@@ -64,7 +65,7 @@ def fast(
     store = make_leaves("exact", leaf_k, leaf_v)
     store.append(leaf_k, leaf_v, owner)
     got = store.gather(opened.any(2), torch.float64)
-    return routed_attention(q, sinks, readouts, window, chunk, count, opened, got, SCALE)
+    return routed_attention(q, sinks, readouts, window, chunk, count, opened, got, SCALE, q_mem)
 
 
 def per_head(opened: Tensor) -> Tensor:
@@ -115,6 +116,35 @@ def test_a_decoded_token_attends_as_the_per_query_reference(readouts: bool, k: i
     kept = count if readouts else None
     want = routed_attention_naive(q, entries, kept, owner, opened.reshape(B, H, 1, -1), SCALE)
     torch.testing.assert_close(fast(q, entries, kept, owner, opened), want, rtol=0, atol=TOL)
+
+
+@pytest.mark.parametrize("readouts", [True, False])
+@pytest.mark.parametrize(("routing", "k"), [("token", 0), ("token", 2), ("block", 3), ("block", 6)])
+@pytest.mark.parametrize("L", [T, 1])
+def test_memory_queries_meet_the_read_outs_and_leaves_as_the_per_query_reference(
+    readouts: bool, routing: str, k: int, L: int
+) -> None:
+    """Where the read-outs and leaves are placed apart (positions inside), their own queries
+    meet them; with no sinks and no read-outs, a KV head that opens no unit sees no memory at
+    all (block routing within 3 leaves: the fused kernel's row that sees no key of a set)."""
+    q, entries, count, owner = case(8)
+    q_mem = torch.randn(q.shape, generator=torch.Generator().manual_seed(9), dtype=q.dtype)
+    if L == 1:  # a decoded token
+        q, q_mem = q[:, :, -1:], q_mem[:, :, -1:]
+        entries["chunk"] = (entries["chunk"][0][:, :, -1:], entries["chunk"][1][:, :, -1:])
+    if not readouts:
+        entries["sinks"] = (entries["sinks"][0][:, :, :0], entries["sinks"][1][:, :, :0])
+    rank = rank_of(q_mem, entries, count)
+    opened = top_units(rank, k) if routing == "token" else block_units(rank, count, k)
+    heads = opened.repeat_interleave(G, 1).expand(B, H, L, -1) if opened.shape[2] == 1 else (
+        opened.reshape(B, H, L, -1)
+    )  # fmt: skip
+    kept = count if readouts else None
+    want = routed_attention_naive(q, entries, kept, owner, heads, SCALE, q_mem)
+    got = fast(q, entries, kept, owner, opened, q_mem)
+    torch.testing.assert_close(got, want, rtol=0, atol=TOL)
+    if routing == "block" and k == 3 and L == T:  # some KV heads opened a unit, some none
+        assert opened.any(-1).flatten().tolist() == [False, False, True, False]
 
 
 def softmax_over(

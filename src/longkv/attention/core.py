@@ -168,10 +168,13 @@ def attend_key_sets_lse(sets: list[KeySet]) -> tuple[Tensor, Tensor]:
         q = _widen(s.q.reshape(B, Hkv, G * Lq, Dk), D)  # the G heads of a group share the keys
         causal = s.causal and Lq > 1  # a single query sees every key of its set
         mask = _causal_tail(Lq, s.k.shape[2], G, q.dtype, q.device) if causal else None
+        bias = None
         if s.bias is not None:  # (B, Hkv, 1, Lk): the kernel broadcasts it over the queries
             bias = s.bias.unsqueeze(2) if s.bias.dim() == 3 else s.bias
             mask = bias if mask is None else bias + mask
         o, m = _FLASH_CPU(q, _widen(s.k, D), _widen(s.v, D), attn_mask=mask, scale=1.0)[:2]
+        if bias is not None:  # a query that sees no key of the set: the kernel's lse is 0
+            m = m.masked_fill((bias == -math.inf).all(-1).expand(B, Hkv, G * Lq), -math.inf)
         if out is None or lse is None:
             out, lse = o, m
         else:  # softmax over both sets: each part weighted by its share of exp(lse)

@@ -111,6 +111,7 @@ def routed_attention_naive(
     owner: Tensor,
     opened: Tensor,
     scale: float,
+    q_mem: Tensor | None = None,
 ) -> Tensor:
     """`longkv.caches.routed.routed_attention` written out per row, query head and query.
 
@@ -120,7 +121,8 @@ def routed_attention_naive(
     tokens, or None (no read-outs); owner (B, Hkv, n) the unit of each leaf; opened (B, H, T, U)
     bool, the units each query head and query opens. One softmax over the sinks, the window,
     the chunk up to the query, the opened units' leaves and the closed units' read-outs (logit +
-    log count). Returns (B, H, T, Dv).
+    log count); q_mem (B, H, T, D), where given, meets the leaves and read-outs in place of q.
+    Returns (B, H, T, Dv).
     """
     B, H, T, _ = q.shape
     Hkv = owner.shape[1]
@@ -130,6 +132,8 @@ def routed_attention_naive(
             g = h // (H // Hkv)  # the KV head of query head h
             for t in range(T):
                 x = q[b, h, t]
+
+                xm = x if q_mem is None else q_mem[b, h, t]
 
                 def logit(key: Tensor, x: Tensor = x) -> float:
                     return scale * float(x @ key)
@@ -143,13 +147,16 @@ def routed_attention_naive(
                 if count is not None:
                     slot_k, slot_v = entries["slots"]
                     seen += [
-                        (logit(slot_k[b, g, i]) + math.log(float(count[b, g, i])), slot_v[b, g, i])
+                        (
+                            logit(slot_k[b, g, i], xm) + math.log(float(count[b, g, i])),
+                            slot_v[b, g, i],
+                        )
                         for i in range(count.shape[-1])
                         if i not in units
                     ]
                 leaf_k, leaf_v = entries["leaves"]
                 seen += [
-                    (logit(leaf_k[b, g, j]), leaf_v[b, g, j])
+                    (logit(leaf_k[b, g, j], xm), leaf_v[b, g, j])
                     for j in range(leaf_k.shape[2])
                     if int(owner[b, g, j]) in units
                 ]

@@ -34,6 +34,10 @@ from longkv.caches.leaves import Gathered
 
 # who opens units in a prefill chunk: its queries together (block) or each on its own (token)
 ROUTINGS = ("block", "token")
+# where a retrieval cache places its tokens: exact (each at the position the model gave it) or
+# inside (the read-outs and leaves un-rotated, met at one distance; the sinks and window at
+# their cache index), so that no distance a query sees leaves the budget
+POSITIONS = ("exact", "inside")
 
 
 def top_units(rank: Tensor, k: int) -> Tensor:
@@ -140,27 +144,42 @@ class Part(NamedTuple):
 def routed_attention(
     q: Tensor, sinks: Part, readouts: Part | None, window: Part, chunk: Part,
     count: Tensor | None, opened: Tensor, got: Gathered, scale: float,
+    q_mem: Tensor | None = None,
 ) -> Tensor:  # fmt: skip
     """Attention of q (B, H, L, D) over the sinks, the units' read-outs (S = U of them, each
     weighted as its count (B, Hkv, U) of tokens; None, with count None: no read-outs), the
     window before the chunk, the L queries' own tokens `chunk` (causally) and the leaves `got`
     of the units `opened` (B, Hkv, R, U) opens (R = 1 or G * L, module docstring), in one
-    softmax. Returns (B, H, L, Dv) in q's dtype (computed in at least float32)."""
+    softmax. q_mem (B, H, L, D): the queries that meet the read-outs and leaves, where they
+    are placed elsewhere than the rest (`POSITIONS`' inside; None: q). Returns (B, H, L, Dv) in
+    q's dtype (computed in at least float32)."""
     B, H, L, D = q.shape
     Hkv = chunk.keys.shape[1]
     high = torch.promote_types(q.dtype, torch.float32)
     qg = (q.to(high) * scale).view(B, Hkv, H // Hkv, L, D)
     own = L == 1  # a single query sees its own token as it sees the window: no causal set
     tail = [window, chunk] if own else [window]
-    bias = routed_bias(opened, count, got, sinks.keys.shape[2], sum(p.keys.shape[2] for p in tail))
+    s = sinks.keys.shape[2]
+    bias = routed_bias(opened, count, got, s, sum(p.keys.shape[2] for p in tail))
     if bias is not None and bias.shape[2] == 1:  # one row for all: the kernel broadcasts it
-        bias = bias[:, :, 0]
+        bias = bias[..., 0, :]
     sets = [] if own else [KeySet(qg, chunk.keys.to(high), chunk.values.to(high), causal=True)]
-    before = [sinks, *([] if readouts is None else [readouts]), Part(got.keys, got.values), *tail]
-    if sum(p.keys.shape[2] for p in before):  # one copy of the keys outside the causal set
-        k = torch.cat([p.keys.to(high) for p in before], dim=2)
-        v = torch.cat([p.values.to(high) for p in before], dim=2)
-        sets.insert(0, KeySet(qg, k, v, bias=bias))
+
+    def add(queries: Tensor, parts: list[Part], bias: Tensor | None) -> None:
+        """One key set of the parts, before the others (one copy of their keys)."""
+        if sum(p.keys.shape[2] for p in parts):
+            k = torch.cat([p.keys.to(high) for p in parts], dim=2)
+            v = torch.cat([p.values.to(high) for p in parts], dim=2)
+            sets.insert(0, KeySet(queries, k, v, bias=bias))
+
+    memory = [*([] if readouts is None else [readouts]), Part(got.keys, got.values)]
+    if q_mem is None:
+        add(qg, [sinks, *memory, *tail], bias)
+    else:  # the sinks and window carry no bias; the read-outs and leaves are met by q_mem
+        add(qg, [sinks, *tail], None)
+        n = sum(p.keys.shape[2] for p in memory)
+        qm = (q_mem.to(high) * scale).view(B, Hkv, H // Hkv, L, D)
+        add(qm, memory, None if bias is None else bias[..., s : s + n])
     return attend_key_sets(sets).reshape(B, H, L, -1).to(q.dtype)
 
 
