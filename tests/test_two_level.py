@@ -306,7 +306,7 @@ def test_a_read_past_the_models_positions_is_refused_before_the_first_chunk() ->
     ids = torch.randint(0, 64, (1, 250))
     with pytest.raises(ValueError, match="take 259 positions and the model has max_position"):
         bounded_generate(runner, ids, 8, 10)  # 250 read, 9 more to decode
-    with pytest.raises(ValueError, match=r"places positions inside its budget \(streaming"):
+    with pytest.raises(ValueError, match=r"or read it with a cache that places them so \(stream"):
         bounded_generate(runner, ids, 8, 10)
     assert runner.seen == 0
 

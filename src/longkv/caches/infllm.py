@@ -7,7 +7,9 @@ attend them beside the initial tokens, the newest, not yet full block and the lo
 
 Positions are InfLLM's: the memory (initial tokens, blocks, the partial block) is kept without
 RoPE and the query meets it rotated at window - 1, so that every memory token sits at one
-distance inside the trained range, while the local window keeps the positions the model gave it.
+distance inside the trained range, while the local window keeps the positions the model gave it
+(or, with `positions="inside"`, takes its cache index, `longkv.caches.retrieval`, so that the
+input may run past the model's positions).
 
 In longkv InfLLM is a retrieval cache (`longkv.caches.retrieval`): its units are the blocks,
 its initial tokens the sinks, its local window the window (both those of two-level KVM-Fold at
@@ -32,13 +34,12 @@ import torch
 from torch import Tensor, nn
 
 from longkv.attention.core import KeySet, attend_key_sets_lse, hidden_future
-from longkv.attention.rope import angles_at, rotate
 from longkv.attention.state import tensor_bytes
 from longkv.caches.bounded import BoundedConfig
 from longkv.caches.leaves import Gathered
 from longkv.caches.retrieval import RetrievalRunner
-from longkv.caches.routed import Part, attended_entries, grouped, top_units
-from longkv.checks import require_at_least, setting
+from longkv.caches.routed import POSITIONS, Part, attended_entries, grouped, top_units
+from longkv.checks import require, require_at_least, setting
 from longkv.fold.attention import Attend
 
 
@@ -50,16 +51,25 @@ class InfLLMConfig(BoundedConfig):
     block: int = setting(128, "tokens per memory block (InfLLM: 128)")
     representatives: int = setting(4, "tokens per block whose keys represent it (InfLLM: 4)")
     open: int = setting(8, "blocks each chunk of queries (each decoded token) retrieves per layer")
+    positions: str = setting(
+        "exact",
+        "where the local window is placed (the memory is met at window - 1 either way): exact "
+        "(at the positions the model gave it; refused past the model's positions) or inside "
+        "(at its cache index: no distance past the budget, at any length)",
+        choices=POSITIONS,
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
         require_at_least(1, self, "block", "representatives", "open")
+        require(self.positions in POSITIONS, self, "positions", f"must be one of {POSITIONS}")
 
     def describe(self) -> str:
         return (
             f"{self.sinks} initial + {self.window_len} local tokens + blocks of {self.block} "
             f"({self.representatives} representatives), {self.open} retrieved per layer; "
             f"memory un-rotated, met at distance {self.window_len - 1}"
+            + ("; window at its cache index" if self.positions == "inside" else "")
         )
 
 
@@ -101,7 +111,7 @@ class InfLLMRunner(RetrievalRunner):
         """The oldest window tokens (keys as the model rotated them) join the memory without
         their rotation; every block they fill gets its representatives."""
         m, block, r = keys.shape[2], self.config.block, self.config.representatives
-        plain = self.unrotated(layer, keys, first)
+        plain = self.plain_keys(layer, keys, first)
         store = self.leaves[layer]
         n = 0 if store is None else len(store)
         unit = torch.arange(n, n + m, device=keys.device) // block
@@ -138,9 +148,7 @@ class InfLLMRunner(RetrievalRunner):
             sinks, _, recent = nothing if parts is None else parts
             to_sinks = min(max(config.sinks - first, 0), L)  # the chunk's tokens that become sinks
             G, high = H // Hkv, torch.promote_types(q.dtype, torch.float32)
-            ahead = torch.arange(first, first + L, device=q.device)
-            cos, sin = angles_at(config.window_len - 1 - ahead, self.inv_freqs[layer])
-            q_mem = rotate(q.double(), cos, sin).to(high)  # each query at window - 1
+            q_mem = self.memory_query(layer, q).to(high)  # each query at window - 1
             q_g = (grouped(q.to(high), Hkv) * scale).view(B, Hkv, G, L, D)
             memory_k = self.unrotated(layer, sinks.keys, 0).to(high)
             memory_v = sinks.values.to(high)

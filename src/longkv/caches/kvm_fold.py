@@ -28,7 +28,7 @@ from longkv.caches.kvm_state import (
     update_state,
 )
 from longkv.caches.leaves import LEAF_STORES
-from longkv.caches.routed import ROUTINGS
+from longkv.caches.routed import POSITIONS, ROUTINGS
 from longkv.checks import refused_as, require, require_at_least, setting
 from longkv.fold.attention import AttentionHooks
 from longkv.kvm.config import BudgetRule, desired_state_len
@@ -112,6 +112,14 @@ class KVMFoldConfig(BoundedConfig):
         "two-level KVM-Fold, file leaves: the folder their files go to (default: the system's "
         "temporary folder); the files are removed with the cache",
     )
+    positions: str = setting(
+        "exact",
+        "two-level KVM-Fold: where it places the tokens: exact (each at the position the model "
+        "gave it; refused past the model's positions) or inside (the leaves and read-outs "
+        "un-rotated and met at one distance, window - 1; the sinks and window at their cache "
+        "index: no distance past the budget, at any length)",
+        choices=POSITIONS,
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -141,6 +149,17 @@ class KVMFoldConfig(BoundedConfig):
         require(
             self.open or self.slot_score == "mean", self, "slot_score",
             "only two-level KVM-Fold (open > 0) ranks slots to open them",
+        )  # fmt: skip
+        require(self.positions in POSITIONS, self, "positions", f"must be one of {POSITIONS}")
+        require(
+            self.open or self.positions == "exact", self, "positions",
+            "coarse KVM-Fold places every entry inside its budget already; only two-level "
+            "KVM-Fold (open > 0) places its tokens by this setting",
+        )  # fmt: skip
+        require(
+            self.positions == "exact" or self.slot_key == "rotated", self, "slot_key",
+            "with positions inside a slot's key is the mean of its un-rotated keys, met at one "
+            "distance; leave slot_key rotated",
         )  # fmt: skip
         require(
             self.leaf_dir is None or os.path.isdir(self.leaf_dir), self, "leaf_dir",
@@ -175,6 +194,8 @@ class KVMFoldConfig(BoundedConfig):
             if self.routing == "block":
                 bound = "" if self.leaf_budget is None else f" within {self.leaf_budget} leaves"
                 options.append(f"a prefill chunk's queries together{bound}")
+            if self.positions == "inside":
+                options.append(f"leaves and read-outs met at distance {self.window_len - 1}")
         return (
             f"{self.sinks} sinks + up to {self.middle_len} slots ({growth}; "
             f"{', '.join(options)}) + {self.window_len} recent"

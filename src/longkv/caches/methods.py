@@ -9,7 +9,9 @@ key and slot score named unless the defaults (`kvm-fold/sqrt/open8/int8/centred/
 leaves are outside the budget. `quest` (pages of the tokens that left the window, each query
 head opening the best by their key bounds) and `infllm` (blocks of them, retrieved by
 representative keys) run once per budget, `quest@1024`, `infllm@1024`, their sinks and window
-those of kvm-fold at the same budget and their pages and blocks outside it.
+those of kvm-fold at the same budget and their pages and blocks outside it. With `positions`
+inside, the retrieval runs' labels say so: `kvm-fold/sqrt/open8/inside@1024`,
+`quest/inside@1024`, `infllm/inside@1024`.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from longkv.caches.kvm_fold import STATES, KVMFoldConfig, KVMFoldRunner
 from longkv.caches.leaves import LEAF_STORES
 from longkv.caches.quest import QuestConfig, QuestRunner
 from longkv.caches.retrieval import RetrievalRunner
-from longkv.caches.routed import ROUTINGS
+from longkv.caches.routed import POSITIONS, ROUTINGS
 from longkv.caches.streaming import StreamingRunner
 from longkv.caches.two_level import TwoLevelRunner
 from longkv.checks import mirror, refused_as, require, require_at_least, setting
@@ -107,6 +109,14 @@ class BoundedOptions:
         "retrieval methods, block routing: the most leaves per KV head a prefill chunk's "
         "queries open together (0: no bound, every unit)",
     )
+    positions: str = setting(
+        "exact",
+        "retrieval methods (two-level kvm-fold, quest, infllm): where they place the tokens: "
+        "exact (each at the position the model gave it; refused past the model's positions) or "
+        "inside (what left the window un-rotated and met at one distance, window - 1; the sinks "
+        "and window at their cache index: no distance past the budget, at any length)",
+        choices=POSITIONS,
+    )
     quest_page: int = mirror(QuestConfig, "page", "quest: ")
     quest_open: int = mirror(QuestConfig, "open", "quest: ")
     quest_dense_layers: int = mirror(QuestConfig, "dense_layers", "quest: ")
@@ -145,16 +155,19 @@ class BoundedOptions:
                 configs[f"snapkv@{budget}"] = SnapKVConfig(
                     budget=budget, sinks=self.sinks, window=self.window
                 )
+            inside = "/inside" if self.positions == "inside" else ""
             if "quest" in methods:
-                configs[f"quest@{budget}"] = QuestConfig(
+                configs[f"quest{inside}@{budget}"] = QuestConfig(
                     budget=budget, sinks=self.sinks, window=self.window, page=self.quest_page,
                     open=self.quest_open, routing=self.routing,
                     leaf_budget=self.leaf_budget or None, dense_layers=self.quest_dense_layers,
+                    positions=self.positions,
                 )  # fmt: skip
             if "infllm" in methods:
-                configs[f"infllm@{budget}"] = InfLLMConfig(
+                configs[f"infllm{inside}@{budget}"] = InfLLMConfig(
                     budget=budget, sinks=self.sinks, window=self.window, block=self.infllm_block,
                     representatives=self.infllm_representatives, open=self.infllm_open,
+                    positions=self.positions,
                 )  # fmt: skip
             for state in self.kvm_states if "kvm-fold" in methods else ():
                 for k in self.kvm_open:
@@ -170,6 +183,7 @@ class BoundedOptions:
                             leaf_budget=self.leaf_budget or None,
                             slot_key=self.kvm_slot_key if k else "rotated",  # coarse: not read
                             slot_score=self.kvm_slot_score if k else "mean",
+                            positions=self.positions if k else "exact",
                         )  # fmt: skip
         known = [m for m in methods if m not in BOUNDED] + list(configs)
         unknown = [label for label in self.only if label not in known]
@@ -191,12 +205,13 @@ class BoundedOptions:
     def two_level_tag(self, k: int, leaves: str) -> str:
         """The label part of a kvm-fold run opening k slots with leaves stored as `leaves`: ""
         (coarse), "/open8", with the options that differ from the default after it:
-        "/open8/int8/centred/box"."""
+        "/open8/int8/centred/box/inside"."""
         if not k:
             return ""
         options = [leaves] if leaves != "exact" else []
         options += [self.kvm_slot_key] if self.kvm_slot_key != "rotated" else []
         options += [self.kvm_slot_score] if self.kvm_slot_score != "mean" else []
+        options += [self.positions] if self.positions != "exact" else []
         return "/".join(["", f"open{k}", *options])
 
     def check_runs(
@@ -259,9 +274,11 @@ def runner_class(config: BoundedConfig) -> type[BoundedRunner]:
 
 def keeps_positions(config: BoundedConfig) -> bool:
     """Whether a run of this config keeps every token at its own position (a retrieval
-    cache: two-level KVM-Fold, Quest, InfLLM), so that the model must have positions for the
-    whole input, where the other bounded caches place theirs inside the budget."""
-    return issubclass(runner_class(config), RetrievalRunner)
+    cache: two-level KVM-Fold, Quest, InfLLM, with positions exact), so that the model must have
+    positions for the whole input, where the other bounded caches place theirs inside the
+    budget."""
+    inside = getattr(config, "positions", "exact") == "inside"
+    return issubclass(runner_class(config), RetrievalRunner) and not inside
 
 
 def make_runner(model: nn.Module, config: BoundedConfig, track: bool = False) -> BoundedRunner:

@@ -6,7 +6,8 @@ tokens of its best pages.
 In longkv Quest is a retrieval cache (`longkv.caches.retrieval`): its units are pages of `page`
 tokens among those that left the window (aligned from the first of them; the newest page may
 be partial, its bounds over the tokens it has), with the same sinks and exact window as
-two-level KVM-Fold, keys at the positions the model gave them (Quest keeps the model's RoPE) and
+two-level KVM-Fold, keys at the positions the model gave them (Quest keeps the model's RoPE; or
+with `positions="inside"`, un-rotated and met at one distance, `longkv.caches.retrieval`) and
 no read-out of a closed page. Each query head opens its `open` best pages (`routed.top_units`)
 when decoding, as Quest does; the queries of a prefill chunk open pages together within
 `leaf_budget` leaves (`routed.block_units`, as two-level's slots) where Quest's reference
@@ -29,6 +30,7 @@ from longkv.attention.state import tensor_bytes
 from longkv.caches.bounded import BoundedConfig
 from longkv.caches.retrieval import RetrievalRunner
 from longkv.caches.routed import (
+    POSITIONS,
     ROUTINGS,
     Part,
     attended_entries,
@@ -63,12 +65,21 @@ class QuestConfig(BoundedConfig):
         "(None: every page)",
     )
     dense_layers: int = setting(2, "the first layers, which open every page (Quest: 2)")
+    positions: str = setting(
+        "exact",
+        "where the pages' tokens, sinks and window are placed: exact (each at the position the "
+        "model gave it; refused past the model's positions) or inside (the pages' tokens "
+        "un-rotated and met at one distance, window - 1; the sinks and window at their cache "
+        "index: no distance past the budget, at any length)",
+        choices=POSITIONS,
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
         require_at_least(1, self, "page", "open")
         require_at_least(0, self, "dense_layers")
         require(self.routing in ROUTINGS, self, "routing", f"must be one of {ROUTINGS}")
+        require(self.positions in POSITIONS, self, "positions", f"must be one of {POSITIONS}")
         if self.leaf_budget is not None:
             require_at_least(1, self, "leaf_budget")
 
@@ -82,6 +93,11 @@ class QuestConfig(BoundedConfig):
             f"{self.sinks} sinks + {self.window_len} recent + pages of {self.page} tokens, "
             f"{self.open} opened per query head ({routing}; the first {self.dense_layers} "
             "layers open all)"
+            + (
+                f"; pages met at distance {self.window_len - 1}"
+                if self.positions == "inside"
+                else ""
+            )
         )
 
 
@@ -97,7 +113,8 @@ class QuestRunner(RetrievalRunner):
         self.bounds: list[tuple[Tensor, Tensor] | None] = [None] * model.config.num_hidden_layers
 
     def absorb(self, layer: int, keys: Tensor, values: Tensor, first: int) -> None:
-        """The tokens (keys as the model rotated them) join the newest page, then new ones."""
+        """The tokens (keys as the runner holds them: as the model rotated them, or un-rotated
+        with positions inside) join the newest page, then new ones."""
         B, Hkv, m, _ = keys.shape
         store = self.leaves[layer]
         n = 0 if store is None else len(store)
@@ -129,7 +146,9 @@ class QuestRunner(RetrievalRunner):
             G = q.shape[1] // Hkv
             high = torch.promote_types(q.dtype, torch.float32)
             key_max, key_min = bounds[0].to(high), bounds[1].to(high)
-            rank = bound_scores(grouped(q.to(high), Hkv), key_max, key_min, scale)
+            q_mem = self.memory_query(layer, q).to(high) if self.inside else None
+            rows = grouped(q.to(high) if q_mem is None else q_mem, Hkv)
+            rank = bound_scores(rows, key_max, key_min, scale)
             if layer < config.dense_layers:
                 opened = torch.ones_like(rank[:, :, :1], dtype=torch.bool)
             elif L > 1 and config.routing == "block":
@@ -141,7 +160,7 @@ class QuestRunner(RetrievalRunner):
             self.tally(attended_entries(opened, count, sinks.keys.shape[2], window, L, False))
             got = store.gather(opened.any(2), high)
             chunk = Part(keys, values)
-            return routed_attention(q, sinks, None, recent, chunk, None, opened, got, scale)
+            return routed_attention(q, sinks, None, recent, chunk, None, opened, got, scale, q_mem)
 
         return attend
 

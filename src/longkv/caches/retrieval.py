@@ -15,6 +15,14 @@ and window's keys as the model rotated them (`keep_chunk`), so `build_cache` rot
 and opening every unit is the exact fold; a method that keeps its leaves un-rotated (InfLLM)
 undoes the rotation in `absorb`.
 
+Positions (`routed.POSITIONS`, the config's `positions`): exact, as above, refused past the
+model's positions; or inside, InfLLM's placement, for inputs past them: the leaves and
+read-outs are kept un-rotated and every query meets them rotated on to `window - 1`
+(`memory_query`), so each sits at that one distance; the sinks and window are kept un-rotated
+and rotated at their cache index (sinks 0, 1, ..., then the window), the chunk's queries taking
+the next indices, as the bounded caches place them. No distance a query sees exceeds the
+budget, whatever the input's length.
+
 When the window is full, its oldest tokens leave it an eighth of the window at a time (or as
 many as a chunk needs, when more): a decoded token then changes no memory until they go, and
 its window holds between seven eighths of `window` and `window` tokens.
@@ -40,8 +48,9 @@ def check_exact_positions(model: nn.Module, tokens: int, what: str) -> None:
     points to the caches that place positions inside their budget."""
     check_positions(
         model, tokens, what,
-        switch="read it with a cache that places positions inside its budget (streaming, "
-        "snapkv, kvm-fold without --kvm-open / open=0)",
+        switch="place its positions inside the budget (--positions inside, positions='inside'), "
+        "or read it with a cache that places them so (streaming, snapkv, kvm-fold without "
+        "--kvm-open / open=0)",
     )  # fmt: skip
 
 
@@ -53,6 +62,7 @@ class RetrievalRunner(BoundedRunner):
 
     def __init__(self, model: nn.Module, config: BoundedConfig, **kwargs: bool):
         super().__init__(model, config, **kwargs)
+        self.inside = getattr(config, "positions", "exact") == "inside"
         # decoding moves the window's oldest tokens to the memory an eighth of it at a time, so
         # that a decoded token updates no memory (and, for two-level, no state) until they go
         self.leave_at_once = max(1, config.window_len // 8)
@@ -65,15 +75,36 @@ class RetrievalRunner(BoundedRunner):
 
     @property
     def position(self) -> int:
-        """The next token's position: the exact fold's."""
-        return self.seen
+        """The next token's position: the exact fold's, or inside, its cache index after the
+        sinks and the window."""
+        if not self.inside:
+            return self.seen
+        return self.sink_k[self.ref].shape[2] + self.window_count if self.seen else 0
 
     def unrotated(self, layer: int, keys: Tensor, first: int) -> Tensor:
-        """A layer's keys (B, Hkv, m, D) of the tokens first, first + 1, ... with their rotation
+        """A layer's keys (B, Hkv, m, D) at positions first, first + 1, ... with their rotation
         undone."""
+        return self.rotated(layer, keys, first, -1)
+
+    def rotated(self, layer: int, keys: Tensor, first: int, sign: int = 1) -> Tensor:
+        """A layer's un-rotated keys (B, Hkv, m, D) rotated at positions first, first + 1, ...
+        (sign -1: the rotation undone)."""
         positions = torch.arange(first, first + keys.shape[2], device=keys.device)
-        cos, sin = angles_at(-positions, self.inv_freqs[layer])
+        cos, sin = angles_at(sign * positions, self.inv_freqs[layer])
         return rotate(keys.double(), cos, sin).to(keys.dtype)
+
+    def plain_keys(self, layer: int, keys: Tensor, first: int) -> Tensor:
+        """Un-rotated, the keys (B, Hkv, m, D) of the window tokens first, first + 1, ... as
+        the runner holds them: rotated at their positions (exact) or not (inside)."""
+        return keys if self.inside else self.unrotated(layer, keys, first)
+
+    def memory_query(self, layer: int, q: Tensor) -> Tensor:
+        """The forward's queries q (B, H, L, D), rotated by the model at the next L positions,
+        rotated on to window - 1, in float64: each meets an un-rotated key at distance
+        window - 1 (InfLLM's placement of its memory)."""
+        ahead = torch.arange(self.position, self.position + q.shape[2], device=q.device)
+        cos, sin = angles_at(self.config.window_len - 1 - ahead, self.inv_freqs[layer])
+        return rotate(q.double(), cos, sin)
 
     def keep_leaves(self, layer: int, keys: Tensor, values: Tensor, owner: Tensor) -> LeafStore:
         """Append keys (B, Hkv, m, D), values owned by units owner (B, Hkv, m) to the layer's
@@ -102,17 +133,28 @@ class RetrievalRunner(BoundedRunner):
         return self.leaves[self.ref] is not None
 
     def parts(self, layer: int) -> tuple[Part, Part, Part]:
-        """The layer's bounded part: sinks, middle and window, keys as rotated (B, Hkv, n, D)."""
+        """The layer's bounded part: sinks, middle and window, keys (B, Hkv, n, D) as placed
+        (`placed`; the middle's: as the method keeps them)."""
+        sink_k, window_k = self.placed(layer, self.sink_k[layer], self.window_k[layer])
         return (
-            Part(self.sink_k[layer], self.sink_v[layer]), Part(*self.middle(layer)),
-            Part(self.window_k[layer], self.window_v[layer]),
+            Part(sink_k, self.sink_v[layer]), Part(*self.middle(layer)),
+            Part(window_k, self.window_v[layer]),
         )  # fmt: skip
 
+    def placed(self, layer: int, sink_k: Tensor, window_k: Tensor) -> tuple[Tensor, Tensor]:
+        """A layer's sink and window keys at their positions: as held (exact), or rotated at
+        their cache index (inside: the window ends just before the next token's)."""
+        if not self.inside:
+            return sink_k, window_k
+        return self.rotated(layer, sink_k, 0), self.rotated(
+            layer, window_k, self.position - window_k.shape[2]
+        )
+
     def build_cache(self) -> DynamicCache:
-        """Every layer's bounded part [sinks | middle | window], as rotated (a sliding layer's:
-        its window); while the cache routes, a sliding layer's alone: each bounded layer's
-        `attend` reads the part from the runner (`parts`), and the model's cache holds the
-        chunk alone."""
+        """Every layer's sinks and window, placed (a sliding layer's: its window; the middle is
+        empty until tokens leave, and then the cache routes); while the cache routes, a
+        sliding layer's alone: each bounded layer's `attend` reads the part from the runner
+        (`parts`), and the model's cache holds the chunk alone."""
         cache = DynamicCache()
         if self.seen == 0:
             return cache
@@ -120,13 +162,16 @@ class RetrievalRunner(BoundedRunner):
         for i in range(len(self.sink_k)):
             if routes and self.windows[i] is None:
                 continue
-            mid_k, mid_v = self.middle(i)
-            k = torch.cat([self.sink_k[i], mid_k, self.window_k[i]], dim=2)
-            cache.update(k, torch.cat([self.sink_v[i], mid_v, self.window_v[i]], dim=2), i)
+            k = torch.cat(self.placed(i, self.sink_k[i], self.window_k[i]), dim=2)
+            cache.update(k, torch.cat([self.sink_v[i], self.window_v[i]], dim=2), i)
         return cache
 
     def keep_chunk(self, cache: DynamicCache, first: int, L: int, to_sinks: int) -> None:
-        """The chunk's keys (the last L of each layer's cache) as the model rotated them."""
+        """The chunk's keys (the last L of each layer's cache) as the model rotated them
+        (exact), or un-rotated (inside)."""
+        if self.inside:
+            super().keep_chunk(cache, first, L, to_sinks)
+            return
         for i, layer in enumerate(cache.layers):
             sinks = to_sinks if self.windows[i] is None else 0
             self.keep(i, layer.keys[:, :, -L:], layer.values[:, :, -L:], sinks)
@@ -190,9 +235,12 @@ class RetrievalRunner(BoundedRunner):
         }
 
     def check_room(self, tokens: int) -> None:
-        """Every token keeps its position: refuse unless the model has positions for the
-        tokens read so far and `tokens` more (`check_exact_positions`)."""
-        check_exact_positions(self.model, self.seen + tokens, "the input read so far and to come")
+        """Exact positions: refuse unless the model has positions for the tokens read so far
+        and `tokens` more (`check_exact_positions`); inside, every position is in the budget."""
+        if not self.inside:
+            check_exact_positions(
+                self.model, self.seen + tokens, "the input read so far and to come"
+            )
 
     def forward(self, ids: Tensor, output: str = "logits") -> Tensor:
         """Logits (B, L, V) of ids (B, L) at the next positions, after making room (or another

@@ -19,8 +19,10 @@ bounded part [sinks | slot read-outs | window], the leaves a `LeafStore` per lay
 layer's attention gathers the leaves of the slots its queries open (`TwoLevelRunner.attend`).
 Unlike the bounded caches, which re-rotate their entries into positions inside the budget, it
 keeps every token at the position the model gave it (the exact fold's), so that opening every
-slot is the exact fold. A slot's read-out key is by default the mean of its tokens' rotated keys
-(a query's logit against it is the mean of its logits against them; `KVMFoldConfig.slot_key`).
+slot is the exact fold; or, with `positions="inside"` (`longkv.caches.retrieval`), the leaves
+and read-outs un-rotated and met at one distance, the sinks and window at their cache index.
+A slot's read-out key is by default the mean of its tokens' rotated keys (a query's logit
+against it is the mean of its logits against them; `KVMFoldConfig.slot_key`).
 With `KVMFoldConfig.slot_score="box"` a query ranks the slots instead by the largest logit any
 key within the per-channel bounds of a slot's rotated keys can give (`routed.bound_scores`, as
 Quest ranks pages); the read-outs stay the means.
@@ -83,10 +85,11 @@ class TwoLevelRunner(RetrievalRunner, KVMFoldRunner):
         self.bounds: list[tuple[Tensor, Tensor] | None] = [None] * layers
 
     def absorb(self, layer: int, keys: Tensor, values: Tensor, first: int) -> None:
-        """keys (rotated, as the model produced them) become leaves of the slots their
-        un-rotated keys founded or joined."""
-        sinks = self.unrotated(layer, self.sink_k[layer], 0)
-        dest = self.fold_in(layer, self.unrotated(layer, keys, first), values, first, sinks)
+        """keys (as the runner holds them: rotated as the model produced them, or un-rotated
+        with positions inside) become leaves of the slots their un-rotated keys founded or
+        joined."""
+        sinks = self.plain_keys(layer, self.sink_k[layer], 0)
+        dest = self.fold_in(layer, self.plain_keys(layer, keys, first), values, first, sinks)
         self.readouts[layer] = None
         self.keep_leaves(layer, keys, values, dest)
         B, Hkv, m, _ = keys.shape
@@ -110,8 +113,8 @@ class TwoLevelRunner(RetrievalRunner, KVMFoldRunner):
         if kept is not None:
             return kept
         dtype, count = self.window_k[layer].dtype, state.count.unsqueeze(-1)
-        means = sums.tensor / count  # (B, Hkv, S, D + 1): mean rotated key, mean position
-        if self.config.slot_key == "rotated":
+        means = sums.tensor / count  # (B, Hkv, S, D + 1): mean key as held, mean position
+        if self.config.slot_key == "rotated":  # with positions inside: the mean un-rotated key
             keys = means[..., :-1]
         else:  # the mean un-rotated key, rotated at the mean position
             cos, sin = angles_at(means[..., -1].reshape(-1), self.inv_freqs[layer])
@@ -136,7 +139,8 @@ class TwoLevelRunner(RetrievalRunner, KVMFoldRunner):
             G = q.shape[1] // Hkv
             high = torch.promote_types(q.dtype, torch.float32)
             count = state.count.to(high)
-            rows = grouped(q.to(high), Hkv)
+            q_mem = self.memory_query(layer, q).to(high) if self.inside else None
+            rows = grouped(q.to(high) if q_mem is None else q_mem, Hkv)
             if bounds is None:  # slot_score "mean"
                 rank = slot_scores(rows, readouts.keys.to(high), count, scale)
             else:
@@ -150,7 +154,9 @@ class TwoLevelRunner(RetrievalRunner, KVMFoldRunner):
             self.tally(attended_entries(opened, count, sinks.keys.shape[2], window, L, True))
             got = leaves.gather(opened.any(2), high)
             chunk = Part(keys, values)
-            return routed_attention(q, sinks, readouts, recent, chunk, count, opened, got, scale)
+            return routed_attention(
+                q, sinks, readouts, recent, chunk, count, opened, got, scale, q_mem
+            )
 
         return attend
 

@@ -41,7 +41,7 @@ def saved_records(path: Path, settings: NiahSettings) -> list[NiahRecord]:
 # answered, and where file leaves go; the others must agree for answers to be reused
 RUN_FIELDS = (
     "methods", "budgets", "kvm_states", "kvm_open", "kvm_leaves", "kvm_slot_key",
-    "kvm_slot_score", "kvm_leaf_dir", "only",
+    "kvm_slot_score", "kvm_leaf_dir", "positions", "only",
 )  # fmt: skip
 GRID_FIELDS = ("tasks", "lengths", "depths", "samples", "seed")
 RETRIEVAL = ("two-level", "quest")  # the runs that open units (`reader_of`)
