@@ -173,6 +173,20 @@ def test_a_given_option_reaches_its_setting() -> None:
         # refused by the config an option feeds (KVMFoldConfig), named as that option
         (["niah", "--methods", "kvm-fold", "--kvm-growth-factor", "-1"], "--kvm-growth-factor"),
         (["niah", "--methods", "kvm-fold", "--kvm-merge-threshold", "2"], "--kvm-merge-threshold"),
+        (
+            [
+                "niah",
+                "--methods",
+                "kvm-fold",
+                "--kvm-open",
+                "8",
+                "--kvm-slot-key",
+                "centred",
+                "--positions",
+                "inside",
+            ],
+            "--kvm-slot-key",
+        ),
     ],
 )
 def test_a_bad_value_is_refused_naming_its_option(
@@ -555,6 +569,24 @@ def test_a_rope_model_runs_past_its_positions_only_with_allow_extrapolation(
     else:
         assert saved["fold_equals_full"] is True
         assert {r["context_len"] for r in saved["records"]} == {700}
+
+
+@pytest.mark.parametrize("method", ["kvm-fold", "quest", "infllm"])
+def test_a_retrieval_cache_reads_past_the_models_positions_with_positions_inside(
+    tiny_model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], method: str
+) -> None:
+    argv = [
+        "niah", "--model", tiny_model, "--tasks", "passkey", "--lengths", "700", "--depths",
+        "0.5", "--methods", method, "--kvm-open", "2", "--budgets", "104", "--stream-chunk",
+        "32", "--max-new-tokens", "2", "--dtype", "fp64", "--out-dir", str(tmp_path),
+        "--name", "p",
+    ]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "error: argument --lengths: " in err and "(--positions inside" in err, err
+    assert main([*argv, "--positions", "inside"]) == 0
+    records = json.loads((tmp_path / "p.json").read_text())["records"]
+    assert [r["method"].split("@")[0].endswith("/inside") for r in records] == [True]
 
 
 def test_streaming_stays_within_the_positions_with_allow_extrapolation(
