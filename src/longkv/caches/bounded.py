@@ -142,17 +142,13 @@ class BoundedConfig:
 
     def __post_init__(self) -> None:
         require(
-            isinstance(self.budget, int) and self.budget >= 1,
-            self,
-            "budget",
+            isinstance(self.budget, int) and self.budget >= 1, self, "budget",
             f"must be an int >= 1, got {self.budget!r}",
-        )
+        )  # fmt: skip
         require(
-            isinstance(self.sinks, int) and self.sinks >= 0,
-            self,
-            "sinks",
+            isinstance(self.sinks, int) and self.sinks >= 0, self, "sinks",
             f"must be an int >= 0, got {self.sinks!r}",
-        )
+        )  # fmt: skip
         require(
             self.window is None or (isinstance(self.window, int) and self.window >= 1),
             self,
@@ -336,20 +332,22 @@ class BoundedRunner:
             dtype = self.window_k[i].dtype
             k = torch.cat([self.sink_k[i], mid_k.to(dtype), self.window_k[i]], dim=2)
             v = torch.cat([self.sink_v[i], mid_v.to(dtype), self.window_v[i]], dim=2)
-            positions = torch.arange(n - k.shape[2] if w else 0, n, device=k.device)
-            cos, sin = angles_at(positions, self.inv_freqs[i])
-            cache.update(rotate(k.double(), cos, sin).to(dtype), v, i)
+            cache.update(self.rotated(i, k, n - k.shape[2] if w else 0), v, i)
         return cache
+
+    def rotated(self, layer: int, keys: Tensor, first: int, sign: int = 1) -> Tensor:
+        """A layer's un-rotated keys (B, Hkv, m, D) rotated at positions first, first + 1, ...
+        (sign -1: rotated keys at those positions, their rotation undone)."""
+        positions = torch.arange(first, first + keys.shape[2], device=keys.device)
+        cos, sin = angles_at(sign * positions, self.inv_freqs[layer])
+        return rotate(keys.double(), cos, sin).to(keys.dtype)
 
     def keep_chunk(self, cache: DynamicCache, first: int, L: int, to_sinks: int) -> None:
         """Un-rotate the chunk's keys (the last L of each layer's cache, at positions first,
         first + 1, ...) and keep them."""
         for i, layer in enumerate(cache.layers):
-            k, v = layer.keys[:, :, -L:], layer.values[:, :, -L:]
-            positions = torch.arange(first, first + L, device=k.device)
-            cos, sin = angles_at(-positions, self.inv_freqs[i])
-            k = rotate(k.double(), cos, sin).to(k.dtype)
-            self.keep(i, k, v, to_sinks if self.windows[i] is None else 0)
+            k = self.rotated(i, layer.keys[:, :, -L:], first, -1)
+            self.keep(i, k, layer.values[:, :, -L:], to_sinks if self.windows[i] is None else 0)
 
     def keep(self, layer: int, k: Tensor, v: Tensor, to_sinks: int) -> None:
         """The chunk's keys k (B, Hkv, L, D) and values: the first to_sinks to the sinks, the

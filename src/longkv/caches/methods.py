@@ -34,7 +34,7 @@ from longkv.caches.infllm import InfLLMConfig, InfLLMRunner
 from longkv.caches.kvm_fold import STATES, KVMFoldConfig, KVMFoldRunner
 from longkv.caches.leaves import LEAF_STORES
 from longkv.caches.quest import QuestConfig, QuestRunner
-from longkv.caches.retrieval import RetrievalRunner
+from longkv.caches.retrieval import RetrievalRunner, places_inside
 from longkv.caches.routed import POSITIONS, ROUTINGS
 from longkv.caches.streaming import StreamingRunner
 from longkv.caches.two_level import TwoLevelRunner
@@ -277,8 +277,7 @@ def keeps_positions(config: BoundedConfig) -> bool:
     cache: two-level KVM-Fold, Quest, InfLLM, with positions exact), so that the model must have
     positions for the whole input, where the other bounded caches place theirs inside the
     budget."""
-    inside = getattr(config, "positions", "exact") == "inside"
-    return issubclass(runner_class(config), RetrievalRunner) and not inside
+    return issubclass(runner_class(config), RetrievalRunner) and not places_inside(config)
 
 
 def make_runner(model: nn.Module, config: BoundedConfig, track: bool = False) -> BoundedRunner:

@@ -42,6 +42,11 @@ from longkv.fold.attention import Attend, AttentionHooks
 from longkv.fold.fold import check_positions
 
 
+def places_inside(config: BoundedConfig) -> bool:
+    """Whether a retrieval config places its tokens inside the budget (`positions` inside)."""
+    return getattr(config, "positions", "exact") == "inside"
+
+
 def check_exact_positions(model: nn.Module, tokens: int, what: str) -> None:
     """Refuse unless the model has positions for `tokens` (`what` takes them): a retrieval
     cache keeps every token at its own position and never runs past the model's; the refusal
@@ -62,7 +67,7 @@ class RetrievalRunner(BoundedRunner):
 
     def __init__(self, model: nn.Module, config: BoundedConfig, **kwargs: bool):
         super().__init__(model, config, **kwargs)
-        self.inside = getattr(config, "positions", "exact") == "inside"
+        self.inside = places_inside(config)
         # decoding moves the window's oldest tokens to the memory an eighth of it at a time, so
         # that a decoded token updates no memory (and, for two-level, no state) until they go
         self.leave_at_once = max(1, config.window_len // 8)
@@ -85,13 +90,6 @@ class RetrievalRunner(BoundedRunner):
         """A layer's keys (B, Hkv, m, D) at positions first, first + 1, ... with their rotation
         undone."""
         return self.rotated(layer, keys, first, -1)
-
-    def rotated(self, layer: int, keys: Tensor, first: int, sign: int = 1) -> Tensor:
-        """A layer's un-rotated keys (B, Hkv, m, D) rotated at positions first, first + 1, ...
-        (sign -1: the rotation undone)."""
-        positions = torch.arange(first, first + keys.shape[2], device=keys.device)
-        cos, sin = angles_at(sign * positions, self.inv_freqs[layer])
-        return rotate(keys.double(), cos, sin).to(keys.dtype)
 
     def plain_keys(self, layer: int, keys: Tensor, first: int) -> Tensor:
         """Un-rotated, the keys (B, Hkv, m, D) of the window tokens first, first + 1, ... as
