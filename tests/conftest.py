@@ -33,7 +33,7 @@ from transformers import (
 from longkv.data.corpus import GPT2_DIR
 from longkv.kvm import KVMState
 from longkv.models import LongKVConfig, LongKVForCausalLM
-from longkv.models.pretrained import SMOLLM2_FOLDER, cache_dir, smollm2_gguf
+from longkv.models.pretrained import SMOLLM2_FOLDER, cache_dir, is_converted, smollm2_gguf
 
 SHARED_ENV = "LONGKV_TEST_SHARED"
 SHARED = Path(os.environ.get(SHARED_ENV) or Path(__file__).resolve().parents[2] / "shared")
@@ -258,8 +258,7 @@ def shared_corpus() -> Path:
 @functools.cache
 def smollm2_missing() -> str | None:
     """Why the default model cannot be loaded here, or None when it can."""
-    converted = cache_dir() / SMOLLM2_FOLDER
-    if (converted / "config.json").is_file() and (converted / "model.safetensors").is_file():
+    if is_converted(cache_dir() / SMOLLM2_FOLDER):
         return None
     try:
         smollm2_gguf()

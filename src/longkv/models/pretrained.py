@@ -163,11 +163,6 @@ def packaged_dir(name: str) -> Path:
         return convert_gguf(gguf, target, f"{model.title} from {model.source}")
 
 
-def smollm2_dir() -> Path:
-    """A safetensors folder of SmolLM2-135M-Instruct, converted from the GGUF on first use."""
-    return packaged_dir("smollm2")
-
-
 def gguf_folder(path: Path) -> Path:
     """Where the model in a GGUF file is converted to: a folder of the cache directory whose
     name changes with the file (its path, size and modification time)."""
@@ -187,7 +182,7 @@ def gguf_dir(path: Path) -> Path:
         return FileNotFoundError(f"model {str(path)!r}: a GGUF file needs {what}; {GGUF_HINT}")
 
     check_gguf_reader(missing)
-    return convert_gguf(path, target, f"{path.name}")
+    return convert_gguf(path, target, path.name)
 
 
 def is_converted(folder: Path) -> bool:
