@@ -875,3 +875,20 @@ def test_bounded_puts_two_level_runs_on_the_page_with_their_leaves_and_routes(
     page = (tmp_path / "b.md").read_text()
     assert "## How the retrieval caches routed to the needles' answer tokens" in page
     assert "| kvm-fold/fixed/open8/int8@64 |" in page.split("routed to the needles")[1]
+
+
+def test_bounded_measures_the_fold_when_asked_for_it(tiny_model: str, tmp_path: Path) -> None:
+    argv = [
+        "bounded", "--model", tiny_model, "--dtype", "fp64", "--nll-tokens", "150", "--tasks",
+        "passkey", "--lengths", "300", "--depths", "0.5", "--methods", "full", "fold",
+        "streaming", "--chunk-size", "32", "--budgets", "64", "--stream-chunk", "16",
+        "--max-new-tokens", "2", "--out-dir", str(tmp_path), "--name", "b",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    runs = {
+        r["method"]: r for r in json.loads((tmp_path / "b.json").read_text())["nll"]["150"]["runs"]
+    }
+    assert list(runs) == ["full", "fold", "streaming@64"]
+    assert runs["fold"]["chunk_size"] == 32
+    assert runs["fold"]["max_abs_nll_diff_vs_full"] <= 1e-10
+    assert runs["streaming@64"]["max_abs_nll_diff_vs_full"] > 1e-3

@@ -35,16 +35,16 @@ def bounded_nll(
     partial: Path, settings: dict[str, Any], allow_extrapolation: bool = False,
     timing: Timing = Timing(),  # noqa: B008 (frozen)
 ) -> dict[str, dict[str, Any]]:  # fmt: skip
-    """`compare_methods` of every run of s but the fold over the first n tokens of ids (1, T),
-    by n in lengths, timed as `timing` says; each finished length is kept in `partial` (with
-    `settings`, what it depends on), so a rerun measures only the lengths it lacks."""
+    """`compare_methods` of every run of s (the fold in chunks of s.chunk_size) over the first
+    n tokens of ids (1, T), by n in lengths, timed as `timing` says; each finished length is
+    kept in `partial` (with `settings`, what it depends on), so a rerun measures only the
+    lengths it lacks."""
     reports = load_partial(partial, settings)
-    labels = tuple(label for label in s.runs if label != "fold")
     for n in sorted(lengths):
         if str(n) in reports:
             continue
         reports[str(n)] = compare_methods(
-            model, ids[:, :n], s.chunk_size, methods=labels,
+            model, ids[:, :n], s.chunk_size, methods=tuple(s.runs),
             bounded=s.bounded_configs(s.methods), stream_chunk=s.stream_chunk,
             allow_extrapolation=allow_extrapolation, repeats=timing.repeats,
             decode_tokens=timing.decode_tokens,
