@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -892,3 +893,43 @@ def test_bounded_measures_the_fold_when_asked_for_it(tiny_model: str, tmp_path: 
     assert runs["fold"]["chunk_size"] == 32
     assert runs["fold"]["max_abs_nll_diff_vs_full"] <= 1e-10
     assert runs["streaming@64"]["max_abs_nll_diff_vs_full"] > 1e-3
+
+
+def test_exact_up_to_keeps_full_attention_to_the_lengths_it_can_read(
+    tiny_model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Full attention and the fold answer up to --exact-up-to, past the model's 512 positions
+    only the bounded caches do (no --allow-extrapolation needed); on the bounded page full
+    attention is the NLL reference where it ran, and past it the caches are measured alone."""
+    grid = [
+        "--model", tiny_model, "--tasks", "passkey", "--lengths", "300", "800", "--depths",
+        "0.5", "--methods", "full", "fold", "streaming", "--chunk-size", "64", "--budgets", "64",
+        "--stream-chunk", "16", "--max-new-tokens", "2", "--out-dir", str(tmp_path),
+    ]  # fmt: skip
+    assert main(["niah", *grid, "--name", "n"]) == 2  # full attention past 512 positions
+    assert "--allow-extrapolation" in capsys.readouterr().err
+    assert main(["niah", *grid, "--exact-up-to", "512", "--name", "n"]) == 0
+    saved = json.loads((tmp_path / "n.json").read_text())
+    keys = {(r["method"], r["context_len"]) for r in saved["records"]}
+    assert keys == {("full", 300), ("fold", 300), ("streaming@64", 300), ("streaming@64", 800)}
+    page = (tmp_path / "n.md").read_text()
+    assert "KV-Fold in chunks of 64 (up to 512 tokens)" in page
+    assert "| passkey | full |" in page and "The fold's answers equal full attention's" in page
+    # a bounded page reuses those answers; its NLL past 512 tokens has no full attention
+    bounded = ["bounded", *grid, "--exact-up-to", "512", "--name", "b", "--niah-records",
+               str(tmp_path / "n.json")]  # fmt: skip
+    assert main([*bounded, "--nll-tokens", "600", "700"]) == 2
+    assert "--exact-up-to 512 tokens: give at least one length within it" in (
+        capsys.readouterr().err
+    )
+    assert main([*bounded, "--nll-tokens", "200", "700"]) == 0
+    nll = json.loads((tmp_path / "b.json").read_text())["nll"]
+    assert [r["method"] for r in nll["200"]["runs"]] == ["full", "fold", "streaming@64"]
+    assert [r["method"] for r in nll["700"]["runs"]] == ["streaming@64"]
+    assert nll["700"]["runs"][0]["nll_gap_vs_full"] is None and not nll["700"]["ratios"]
+    assert nll["200"]["runs"][1]["max_abs_nll_diff_vs_full"] < 1e-4
+    page = (tmp_path / "b.md").read_text()
+    assert "4 needle answers from `longkv niah" in page
+    peak = page.split("### Peak memory against length")[1]
+    assert re.search(r"\| full \| [\d.]+ \| - \| n/a \|", peak)
+    assert re.search(r"\| streaming@64 \| [\d.]+ \| [\d.]+ \| [\d.]+ \|", peak)

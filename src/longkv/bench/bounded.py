@@ -35,16 +35,18 @@ def bounded_nll(
     partial: Path, settings: dict[str, Any], allow_extrapolation: bool = False,
     timing: Timing = Timing(),  # noqa: B008 (frozen)
 ) -> dict[str, dict[str, Any]]:  # fmt: skip
-    """`compare_methods` of every run of s (the fold in chunks of s.chunk_size) over the first
-    n tokens of ids (1, T), by n in lengths, timed as `timing` says; each finished length is
-    kept in `partial` (with `settings`, what it depends on), so a rerun measures only the
+    """`compare_methods` of every run of s at n (`NiahSettings.runs_at`: the fold in chunks of
+    s.chunk_size; full attention the reference up to s.exact_up_to, none past it) over the
+    first n tokens of ids (1, T), by n in lengths, timed as `timing` says; each finished length
+    is kept in `partial` (with `settings`, what it depends on), so a rerun measures only the
     lengths it lacks."""
     reports = load_partial(partial, settings)
     for n in sorted(lengths):
         if str(n) in reports:
             continue
         reports[str(n)] = compare_methods(
-            model, ids[:, :n], s.chunk_size, methods=tuple(s.runs),
+            model, ids[:, :n], s.chunk_size, methods=tuple(s.runs_at(n)),
+            reference=n <= s.exact_or_any,
             bounded=s.bounded_configs(s.methods), stream_chunk=s.stream_chunk,
             allow_extrapolation=allow_extrapolation, repeats=timing.repeats,
             decode_tokens=timing.decode_tokens,
@@ -59,13 +61,17 @@ def memory_rows(
     """Markdown: bytes `key` of each method's run (`MethodRun`) at each length in MiB, and
     longest / shortest; `what` names them in the header."""
     lengths = sorted(nll, key=int)
-    values: dict[str, list[int | None]] = {}
+    values: dict[str, dict[str, int | None]] = {}
     for n in lengths:
         for r in nll[n]["runs"]:
-            values.setdefault(r["method"], []).append(r.get(key))
+            values.setdefault(r["method"], {})[n] = r.get(key)
     rows = []
-    for method, held in values.items():
-        shown = ["n/a" if v is None else f"{v / 2**20:.1f}" for v in held]
+    for method, by_length in values.items():
+        held = [by_length.get(n) for n in lengths]
+        shown = [
+            "-" if n not in by_length else "n/a" if v is None else f"{v / 2**20:.1f}"
+            for n, v in zip(lengths, held, strict=True)
+        ]  # -: not run at this length; n/a: not measurable
         first, last = held[0], held[-1]
         ratio = "n/a" if not first or last is None else f"{last / first:.2f}"
         rows.append([method, *shown, ratio])
@@ -74,10 +80,13 @@ def memory_rows(
 
 
 def cost_plot(nll: dict[str, Any], path: Path, title: str) -> None:
-    """One panel per length: each method's NLL gap to full attention against the entries its
-    last chunk's queries attended (mean share of full attention's), labelled by method."""
+    """One panel per length full attention ran at: each method's NLL gap to it against the
+    entries its last chunk's queries attended (mean share of full attention's), labelled by
+    method; a ValueError if it ran at none."""
     plt = pyplot()
-    lengths = sorted(nll, key=int)
+    lengths = [n for n in sorted(nll, key=int) if nll[n]["runs"][0]["method"] == "full"]
+    if not lengths:
+        raise ValueError("full attention ran at none of the lengths: there is no NLL gap to plot")
     fig, axes = plt.subplots(1, len(lengths), figsize=(5.2 * len(lengths), 4.2), squeeze=False)
     for ax, n in zip(axes[0], lengths, strict=True):
         for r in nll[n]["runs"]:

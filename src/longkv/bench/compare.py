@@ -48,8 +48,9 @@ class MethodRun:
     seconds: float
     peak_memory_bytes: int | None
     mean_nll: float
-    nll_gap_vs_full: float
-    max_abs_nll_diff_vs_full: float
+    # None where full attention did not run (`compare_methods(reference=False)`)
+    nll_gap_vs_full: float | None
+    max_abs_nll_diff_vs_full: float | None
     # the queries of the last chunk: entries attended as a share of full attention's, per query
     # head and layer (mean, largest); full and the fold attend all
     attended_share: float
@@ -158,6 +159,7 @@ def compare_methods(
     allow_extrapolation: bool = False,
     variant: str = "exact",
     decode_tokens: int = 0,
+    reference: bool = True,
 ) -> dict[str, Any]:
     """Measure each method on input_ids (B, T); ratios against the full forward.
 
@@ -168,7 +170,9 @@ def compare_methods(
     RoPE model past its max_position_embeddings (`kv_fold`); a bounded cache's positions stay
     within its budget. variant: how "fold" departs from the exact fold
     (`longkv.fold.variants`). decode_tokens: steps of decoding timed after each method's
-    runs (module docstring; 0: none).
+    runs (module docstring; 0: none). reference: run full attention first, the reference of
+    the NLL gaps and of the ratios; False runs `methods` alone (full attention only if named),
+    without either (at a length full attention takes too long to read).
     """
     if repeats < 1:
         raise ValueError(f"repeats: must be >= 1, got {repeats}")
@@ -178,7 +182,7 @@ def compare_methods(
     keep_freed_heap()
     load_weights(model)
     runs, last = _runs(model, chunk_size, bounded or {}, stream_chunk, allow_extrapolation, variant)
-    order = ("full", *[m for m in methods if m != "full"])
+    order = ("full", *[m for m in methods if m != "full"]) if reference else tuple(methods)
     measured: dict[str, dict[str, Any]] = {}
     full_nll: Tensor | None = None
     for method in tqdm(order, desc=f"methods over {T} tokens", unit="method"):
@@ -186,12 +190,12 @@ def compare_methods(
         run_on(input_ids[:, : min(T, WARM_UP_TOKENS)])  # what a first call sets up is not counted
         first, peak = peak_memory(functools.partial(run_on, input_ids), input_ids.device)
         full_nll = first.nll if method == "full" else full_nll
-        assert full_nll is not None
+        gap = None if full_nll is None else first.nll - full_nll
         measured[method] = dict(
             method=method, chunk_size=size or T, peak_memory_bytes=peak,
             mean_nll=first.nll.mean().item(),
-            nll_gap_vs_full=(first.nll - full_nll).mean().item(),
-            max_abs_nll_diff_vs_full=(first.nll - full_nll).abs().max().item(),
+            nll_gap_vs_full=None if gap is None else gap.mean().item(),
+            max_abs_nll_diff_vs_full=None if gap is None else gap.abs().max().item(),
             **cache_use(first, last.get(method), T),
         )  # fmt: skip
     times: dict[str, list[float]] = {m: [] for m in order}
@@ -226,7 +230,10 @@ def _step(
 
 
 def _ratios(results: dict[str, MethodRun]) -> dict[str, float]:
-    """Each method's time, peak memory and decoding step against full attention's."""
+    """Each method's time, peak memory and decoding step against full attention's (none
+    without full attention)."""
+    if "full" not in results:
+        return {}
     full = results["full"]
     ratios = {}
     for name, r in results.items():
@@ -262,8 +269,8 @@ def markdown_rows(report: dict[str, Any]) -> list[str]:
             f"{r['seconds']:.2f}",
             "n/a" if r["peak_memory_bytes"] is None else f"{r['peak_memory_bytes'] / 2**20:.0f}",
             f"{r['mean_nll']:.4f}",
-            f"{r['nll_gap_vs_full']:+.4f}",
-            f"{r['max_abs_nll_diff_vs_full']:.2e}",
+            optional(r["nll_gap_vs_full"], "+.4f"),
+            optional(r["max_abs_nll_diff_vs_full"], ".2e"),
             f"{100 * r['attended_share']:.1f} % / {100 * r['attended_share_max']:.1f} %",
             f"{r['cache_bytes'] / 2**20:.1f}",
             leaves(r),
@@ -271,12 +278,16 @@ def markdown_rows(report: dict[str, Any]) -> list[str]:
         ]
         for r in report["runs"]
     ]
+    table = markdown_table(header, rows, "<" + ">" * 10)
     ratios = [[name, f"{value:.3f}"] for name, value in report["ratios"].items()]
-    return [
-        *markdown_table(header, rows, "<" + ">" * 10),
-        "",
-        *markdown_table(["ratio (same run)", "value"], ratios, "<>"),
-    ]
+    if not ratios:  # full attention did not run
+        return table
+    return [*table, "", *markdown_table(["ratio (same run)", "value"], ratios, "<>")]
+
+
+def optional(value: float | None, spec: str) -> str:
+    """value formatted by spec, "-" for None (not measured)."""
+    return "-" if value is None else format(value, spec)
 
 
 def leaves(run: dict[str, Any]) -> str:

@@ -60,8 +60,14 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     s = args.settings[NiahSettings]
     model, tokenizer = m.load(o.dtype)
     check_grid(model, s, m.allow_extrapolation)
+    require(
+        min(o.nll_tokens) <= s.exact_or_any, o, "nll_tokens",
+        f"full attention, the reference of the NLL, reads up to --exact-up-to {s.exact_up_to} "
+        "tokens: give at least one length within it",
+    )  # fmt: skip
     longest = max(o.nll_tokens)
-    require_positions(model, longest, o, "nll_tokens", f"{longest} tokens", m.allow_extrapolation)
+    full = int(min(longest, s.exact_or_any))  # the longest NLL full attention reads
+    require_positions(model, full, o, "nll_tokens", f"{full} tokens", m.allow_extrapolation)
     reused, sources = reused_answers(o.niah_records, s)
     stem = Path(m.out_dir) / o.name
     stem.parent.mkdir(parents=True, exist_ok=True)

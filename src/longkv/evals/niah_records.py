@@ -17,6 +17,8 @@ from longkv.evals.niah import TASKS
 from longkv.fold.variants import VARIANT_HELP, VARIANTS, require_variants
 from longkv.results import write_atomic
 
+EXACT = {"full", "fold"}  # the methods that keep every token, in time quadratic in the length
+
 
 @dataclass(frozen=True)
 class NiahSettings(BoundedOptions):
@@ -35,12 +37,25 @@ class NiahSettings(BoundedOptions):
     chunk_size: int = setting(1024, "fold chunk (tokens)")
     variant: str = setting("exact", "method fold: " + VARIANT_HELP, choices=VARIANTS)
     max_new_tokens: int = setting(32, "greedy answer tokens at most")
+    exact_up_to: int = setting(
+        0,
+        "the longest length full attention and the fold answer (and `longkv bounded` measures "
+        "their NLL at), whose time grows with the square of the length; the bounded caches "
+        "answer at every length (0: no limit)",
+    )
 
     def __post_init__(self) -> None:
         require_known(self, "tasks", self.tasks, TASKS)
         require_known(self, "methods", self.methods, CACHE_METHODS)
         at_least_one = ("lengths", "samples", "chunk_size", "max_new_tokens")
         require_at_least(1, self, *at_least_one)
+        require_at_least(0, self, "exact_up_to")
+        require(
+            not EXACT & set(self.methods) or min(self.lengths) <= self.exact_or_any,
+            self, "exact_up_to",
+            f"{self.exact_up_to} is below every length {self.lengths}: full attention and the "
+            "fold would answer nothing; raise it or drop them from --methods",
+        )  # fmt: skip
         require_variants(self, "variant", self.variant)
         require(
             all(0 <= d <= 1 for d in self.depths),
@@ -65,6 +80,21 @@ class NiahSettings(BoundedOptions):
     def runs(self) -> list[str]:
         """The label of every method run (`BoundedOptions.labels`)."""
         return self.labels(self.methods)
+
+    @property
+    def exact_or_any(self) -> int | float:
+        """The longest length full attention and the fold run at (inf: every length)."""
+        return self.exact_up_to or float("inf")
+
+    def runs_at(self, n: int) -> list[str]:
+        """The runs that answer at length n: every run, full attention and the fold only up to
+        `exact_up_to`."""
+        return [r for r in self.runs if r not in EXACT or n <= self.exact_or_any]
+
+    @property
+    def keys(self) -> list[tuple[str, int, float, int, str]]:
+        """Every answer of the grid: (task, length, depth, seed, run)."""
+        return [(*c, run) for c in self.cells for run in self.runs_at(c[1])]
 
 
 @dataclass(frozen=True)

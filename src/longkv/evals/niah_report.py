@@ -140,6 +140,8 @@ def methods_line(s: NiahSettings) -> str:
     variant = "" if s.variant == "exact" else f", variant {s.variant}: {VARIANTS[s.variant]}"
     options = {"full": "full attention", "fold": f"KV-Fold in chunks of {s.chunk_size}{variant}"}
     said = [options[m] for m in s.methods if m in options]
+    if said and s.exact_up_to:
+        said[-1] += f" (up to {s.exact_up_to} tokens)"
     bounded = s.bounded_configs(s.methods)
     if bounded:
         said.append(f"bounded caches read in chunks of {s.stream_chunk}: {describe_runs(bounded)}")

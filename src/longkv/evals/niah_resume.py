@@ -43,7 +43,7 @@ RUN_FIELDS = (
     "methods", "budgets", "kvm_states", "kvm_open", "kvm_leaves", "kvm_slot_key",
     "kvm_slot_score", "kvm_leaf_dir", "positions", "only",
 )  # fmt: skip
-GRID_FIELDS = ("tasks", "lengths", "depths", "samples", "seed")
+GRID_FIELDS = ("tasks", "lengths", "depths", "samples", "seed", "exact_up_to")
 RETRIEVAL = ("two-level", "quest")  # the runs that open units (`reader_of`)
 KVM = ("kvm-fold", "two-level")
 # settings that only some runs read (by `reader_of`): a difference in one keeps the others'
@@ -69,12 +69,9 @@ def reusable_records(path: Path, s: NiahSettings) -> tuple[list[NiahRecord], dic
     data = json.loads(path.read_text())
     ours = json.loads(json.dumps(asdict(s)))
     theirs = saved_settings(data)
-    runs = set(s.runs)
-    cells = set(s.cells)
+    keys = set(s.keys)
     records = [
-        record
-        for record in (NiahRecord(**r) for r in data["records"])
-        if record.method in runs and record.key[:4] in cells
+        record for record in (NiahRecord(**r) for r in data["records"]) if record.key in keys
     ]
     methods = {reader_of(r.method) for r in records}
     differ = sorted(

@@ -25,7 +25,7 @@ from longkv.caches.methods import keeps_positions, make_runner, read_and_answer
 from longkv.caches.retrieval import RetrievalRunner, check_exact_positions
 from longkv.checks import refuse, refused_as
 from longkv.evals.niah import ANSWER_BUDGET, NiahSample, answer_span, make_sample, sample_score
-from longkv.evals.niah_records import NiahRecord, NiahRun, NiahSettings
+from longkv.evals.niah_records import EXACT, NiahRecord, NiahRun, NiahSettings
 from longkv.evals.niah_resume import saved_records
 from longkv.fold.fold import CLI_SWITCH, check_foldable, check_positions
 from longkv.fold.variants import check_variant, inserted_positions
@@ -89,20 +89,22 @@ def run_niah(
     full attention and the fold run a RoPE model past its max_position_embeddings. reuse:
     answers given elsewhere to this grid (`reusable_records`), taken instead of answering.
     """
-    cells = s.cells
-    runs = s.runs
+    keys = s.keys
     saved = saved_records(path, s)
-    if len(saved) == len(cells) * len(runs):  # finished: measure again
+    if len(saved) == len(keys):  # finished: measure again
         saved = []
     known = {r.key for r in saved}
     saved += [r for r in reuse or [] if r.key not in known]
     run = NiahRun(settings=s, records=saved, provenance=provenance or {})
     done = {r.key for r in run.records}
-    todo = {c: [m for m in runs if (*c, m) not in done] for c in cells}
+    todo: dict[tuple[str, int, float, int], list[str]] = {c: [] for c in s.cells}
+    for key in keys:
+        if key not in done:
+            todo[key[:4]].append(key[4])
     check_grid(model, s, allow_extrapolation)
-    samples = build_samples(tokenizer, [c for c in cells if todo[c]], corpus_dir)
+    samples = build_samples(tokenizer, [c for c in todo if todo[c]], corpus_dir)
     eos = getattr(tokenizer, "eos_token_id", None)
-    progress = tqdm(total=len(cells) * len(runs) - len(done), desc="niah", unit="answer")
+    progress = tqdm(total=sum(map(len, todo.values())), desc="niah", unit="answer")
     for (task, n, d, seed), sample in samples.items():
         ids = torch.tensor([sample.input_ids], device=model.get_input_embeddings().weight.device)
         span = answer_span(tokenizer, sample)
@@ -139,7 +141,8 @@ def check_grid(model: nn.Module, s: NiahSettings, allow_extrapolation: bool = Fa
     Full attention and the fold run past max_position_embeddings only on a RoPE model with
     allow_extrapolation (`check_positions`); a bounded cache never needs to, and a retrieval
     cache (two-level KVM-Fold, Quest, InfLLM), which keeps every token at its own position,
-    never does."""
+    never does; full attention and the fold are checked up to the longest length they answer
+    (`NiahSettings.exact_up_to`)."""
     configs = s.check_runs(model, s.methods)
     exact = [label for label, c in configs.items() if keeps_positions(c)]
     n = max(s.lengths)
@@ -148,7 +151,9 @@ def check_grid(model: nn.Module, s: NiahSettings, allow_extrapolation: bool = Fa
     if exact:
         with refused_as(s, "lengths", f"{exact[0]}: {{}}"):
             check_exact_positions(model, needed, f"{n} (the prompt, then the answer)")
-    if {"full", "fold"} & set(s.methods):
+    if EXACT & set(s.methods):
+        n = max(length for length in s.lengths if length <= s.exact_or_any)
+        needed = n - ANSWER_BUDGET + s.max_new_tokens - 1
         inserted = (
             inserted_positions(s.variant, n - ANSWER_BUDGET, s.chunk_size)
             if "fold" in s.methods
