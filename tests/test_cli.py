@@ -933,3 +933,7 @@ def test_exact_up_to_keeps_full_attention_to_the_lengths_it_can_read(
     peak = page.split("### Peak memory against length")[1]
     assert re.search(r"\| full \| [\d.]+ \| - \| n/a \|", peak)
     assert re.search(r"\| streaming@64 \| [\d.]+ \| [\d.]+ \| [\d.]+ \|", peak)
+    per_1k = page.split("### Time per 1K tokens against length")[1].split("###")[0]
+    assert "| method | seconds per 1K at 200 | seconds per 1K at 700 | 700 / 200 |" in per_1k
+    seconds = {n: r["seconds"] for n in nll for r in nll[n]["runs"] if r["method"] == "full"}
+    assert f"| full | {seconds['200'] * 1024 / 200:.2f} | - | n/a |" in per_1k

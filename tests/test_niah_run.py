@@ -65,6 +65,11 @@ def test_bad_settings_are_refused() -> None:
         NiahSettings(lengths=(4096, 0))
     with pytest.raises(ValueError, match=r"NiahSettings\.depths: must lie in \[0, 1\]"):
         NiahSettings(depths=(0.5, 1.5))
+    with pytest.raises(ValueError, match=r"exact_up_to: 2048 is below every length \(4096,\)"):
+        NiahSettings(lengths=(4096,), exact_up_to=2048)
+    assert NiahSettings(lengths=(4096,), methods=("streaming",), exact_up_to=2048).keys == [
+        ("niah_single_2", 4096, d, 0, "streaming@1024") for d in (0.1, 0.5, 0.9)
+    ]
 
 
 @pytest.mark.parametrize(("depth", "inside"), [(0.3, False), (1.0, True)])

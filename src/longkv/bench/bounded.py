@@ -9,13 +9,14 @@ reports are kept in a partial file after every length, so an interrupted run res
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from longkv.bench.compare import Timing, compare_methods, markdown_rows
+from longkv.bench.compare import Timing, compare_methods, markdown_rows, optional
 from longkv.evals.niah_records import NiahRecord, NiahRun, NiahSettings
 from longkv.evals.niah_report import accuracy_table, budget_plot, heatmap, methods_line
 from longkv.results import (
@@ -55,28 +56,40 @@ def bounded_nll(
     return reports
 
 
-def memory_rows(
-    nll: dict[str, Any], key: str = "peak_memory_bytes", what: str = "peak"
-) -> list[str]:
-    """Markdown: bytes `key` of each method's run (`MethodRun`) at each length in MiB, and
-    longest / shortest; `what` names them in the header."""
+def length_rows(
+    nll: dict[str, Any], value: Callable[[dict[str, Any], int], float | None], what: str,
+    spec: str = ".1f",
+) -> list[str]:  # fmt: skip
+    """Markdown: value(run, n) of each method's run (`MethodRun`) at each length n (formatted by
+    spec; "-" where the method did not run at n, "n/a" where value is None), and longest /
+    shortest; `what` names the values in the header."""
     lengths = sorted(nll, key=int)
-    values: dict[str, dict[str, int | None]] = {}
+    values: dict[str, dict[str, float | None]] = {}
     for n in lengths:
         for r in nll[n]["runs"]:
-            values.setdefault(r["method"], {})[n] = r.get(key)
+            values.setdefault(r["method"], {})[n] = value(r, int(n))
     rows = []
     for method, by_length in values.items():
         held = [by_length.get(n) for n in lengths]
         shown = [
-            "-" if n not in by_length else "n/a" if v is None else f"{v / 2**20:.1f}"
+            "-" if n not in by_length else optional(v, spec, "n/a")
             for n, v in zip(lengths, held, strict=True)
-        ]  # -: not run at this length; n/a: not measurable
+        ]
         first, last = held[0], held[-1]
         ratio = "n/a" if not first or last is None else f"{last / first:.2f}"
         rows.append([method, *shown, ratio])
-    header = ["method", *(f"{what} MiB at {n}" for n in lengths), f"{lengths[-1]} / {lengths[0]}"]
+    header = ["method", *(f"{what} at {n}" for n in lengths), f"{lengths[-1]} / {lengths[0]}"]
     return markdown_table(header, rows, "<" + ">" * (len(lengths) + 1))
+
+
+def mib(key: str) -> Callable[[dict[str, Any], int], float | None]:
+    """A run's bytes `key` in MiB (None where not measured), for `length_rows`."""
+    return lambda run, n: None if run.get(key) is None else run[key] / 2**20
+
+
+def per_1k(run: dict[str, Any], n: int) -> float:
+    """A run's seconds per 1024 tokens of its n, for `length_rows`."""
+    return run["seconds"] * 1024 / n
 
 
 def cost_plot(nll: dict[str, Any], path: Path, title: str) -> None:
@@ -188,11 +201,14 @@ def write_bounded_page(
     ]
     for n in sorted(reports, key=int):
         body += ["", f"### {n} tokens", "", *markdown_rows(reports[n])]
-    body += ["", "### Peak memory against length", "", *memory_rows(reports)]
+    body += ["", "### Peak memory against length", ""]
+    body += length_rows(reports, mib("peak_memory_bytes"), "peak MiB")
+    body += ["", "### Time per 1K tokens against length", ""]
+    body += length_rows(reports, per_1k, "seconds per 1K", ".2f")
     body += ["", "### The cache after the read against length", ""]
     body += ["The bounded part of a bounded cache (two-level KVM-Fold's leaves apart); full "
              "attention's every key and value.", ""]  # fmt: skip
-    body += memory_rows(reports, "cache_bytes", "cache")
+    body += length_rows(reports, mib("cache_bytes"), "cache MiB")
     body += ["", "### NLL gap against the entries attended", "", f"![cost]({stem.name}_cost.png)"]
     body += ["", "## Needles", "", "string_match_all (0-100) per task, method and length:", ""]
     body += [accuracy_table(niah), f"![heatmap]({stem.name}.png)", ""]

@@ -285,9 +285,9 @@ def markdown_rows(report: dict[str, Any]) -> list[str]:
     return [*table, "", *markdown_table(["ratio (same run)", "value"], ratios, "<>")]
 
 
-def optional(value: float | None, spec: str) -> str:
-    """value formatted by spec, "-" for None (not measured)."""
-    return "-" if value is None else format(value, spec)
+def optional(value: float | None, spec: str, missing: str = "-") -> str:
+    """value formatted by spec, `missing` for None (not measured)."""
+    return missing if value is None else format(value, spec)
 
 
 def leaves(run: dict[str, Any]) -> str:
