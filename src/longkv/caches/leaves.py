@@ -11,9 +11,9 @@ few slots for a decoded token), and count its bytes. The stores (`LEAF_STORES`):
   one for the key and one for the value (scale = the row's largest magnitude / 127), so a
   channel comes back within half a step: |x - read(x)| <= max |row| / 254. A quarter of fp32's
   bytes (plus 8 bytes of scales per token and head).
-- "file": exact, in a memory-mapped file (one per layer, in `directory` or the system's temporary
-  folder, removed with the store); only the owners stay in memory, and a gather reads the rows of
-  the leaves it returns.
+- "file": exact, in a file (one per layer, in `directory` or the system's temporary folder,
+  removed with the store), written and read with plain file I/O, never mapped; only the owners
+  stay in memory, and a gather reads the rows of the leaves it returns.
 The owners (one int64 per leaf, KV head and row) are always in memory: routing needs them.
 """
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import tempfile
 import weakref
-from typing import NamedTuple
+from typing import BinaryIO, NamedTuple
 
 import numpy as np
 import torch
@@ -173,58 +173,64 @@ class Int8Leaves(LeafStore):
 
 
 class FileLeaves(LeafStore):
-    """Keys and values in the model's dtype in a memory-mapped file, a row of every (B, Hkv)
-    per leaf, so that a gather reads the rows of the leaves some KV head chose. The file holds
-    the bits of the dtype as an integer of its width (numpy has no bfloat16)."""
+    """Keys and values in the model's dtype in a file, a row of every (B, Hkv) per leaf, written
+    and read with plain file I/O (not mapped into memory: a mapping's touched pages would count
+    in the process's resident set and grow with the input), so that a gather reads only the rows
+    of the leaves some KV head chose; the file's pages sit in the kernel's page cache, which
+    drops them as it needs."""
 
     def __init__(self, keys: Tensor, values: Tensor, directory: str | None = None):
         super().__init__(keys, values)
         fd, self.path = tempfile.mkstemp(prefix="longkv-leaves-", suffix=".bin", dir=directory)
-        os.close(fd)
-        weakref.finalize(self, os.remove, self.path)
-        self.raw = RAW_BITS[self.dtype.itemsize]
+        self.file = os.fdopen(fd, "r+b", buffering=0)
+        weakref.finalize(self, remove_file, self.file, self.path)
         self.heads = tuple(keys.shape[:2])  # (B, Hkv)
-        self.data: np.memmap | None = None  # (capacity, B, Hkv, width), None while empty
-
-    def _grow(self, capacity: int) -> None:
-        """Map the file as `capacity` rows, extending it."""
-        shape = (capacity, *self.heads, self.width)
-        with open(self.path, "r+b") as f:
-            f.truncate(int(np.prod(shape)) * self.dtype.itemsize)
-        self.data = np.memmap(self.path, dtype=self.raw, mode="r+", shape=shape)
+        self.row_bytes = self.heads[0] * self.heads[1] * self.width * self.dtype.itemsize
 
     def _append(self, keys: Tensor, values: Tensor) -> None:
-        n, m = len(self), keys.shape[2]
-        if self.data is None or n + m > self.data.shape[0]:
-            self._grow(max(0 if self.data is None else 2 * self.data.shape[0], n + m))
-        assert self.data is not None
         rows = torch.cat([keys, values], dim=-1).to(self.dtype)  # (B, Hkv, m, width)
-        bits = rows.permute(2, 0, 1, 3).contiguous().cpu().view(TORCH_BITS[self.raw])
-        self.data[n : n + m] = bits.numpy()
+        data = rows.permute(2, 0, 1, 3).contiguous().cpu()  # (m, B, Hkv, width)
+        self.file.seek(len(self) * self.row_bytes)
+        view = memoryview(data.view(torch.uint8).reshape(-1).numpy())
+        while view:
+            view = view[self.file.write(view) :]
 
     def _read(self, index: Tensor | None, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         device = self.owner.tensor.device
-        assert self.data is not None
         if index is None:
-            rows = self._rows(slice(0, len(self)), device)
+            rows = self._rows(np.arange(len(self)), device)
             return self._split(rows, dtype)
         wanted = index.unique()  # sorted leaf numbers some KV head chose
         rows = self._rows(wanted.cpu().numpy(), device)  # (B, Hkv, U, width)
         return self._split(pick(rows, torch.searchsorted(wanted, index.contiguous())), dtype)
 
-    def _rows(self, which: slice | np.ndarray, device: torch.device) -> Tensor:
-        """The file's rows `which` as (B, Hkv, n, width) in the model's dtype."""
-        assert self.data is not None
-        bits = torch.from_numpy(np.ascontiguousarray(self.data[which]))
-        return bits.view(self.dtype).permute(1, 2, 0, 3).to(device)
+    def _rows(self, which: np.ndarray, device: torch.device) -> Tensor:
+        """The file's rows `which` (sorted leaf numbers) as (B, Hkv, n, width) in the model's
+        dtype, each run of consecutive rows read at once."""
+        rows = torch.empty(len(which), *self.heads, self.width, dtype=self.dtype)
+        into = memoryview(rows.view(torch.uint8).reshape(-1).numpy())
+        at = 0
+        for run in np.split(which, np.flatnonzero(np.diff(which) != 1) + 1) if len(which) else []:
+            size = len(run) * self.row_bytes
+            self.file.seek(int(run[0]) * self.row_bytes)
+            view = into[at : at + size]
+            while view:  # a read may return fewer bytes than asked
+                got = self.file.readinto(view)
+                if not got:
+                    raise OSError(f"{self.path}: the leaves file ends early")
+                view = view[got:]
+            at += size
+        return rows.permute(1, 2, 0, 3).to(device)
 
     @property
     def file_bytes(self) -> int:
-        return len(self) * self.heads[0] * self.heads[1] * self.width * self.dtype.itemsize
+        return len(self) * self.row_bytes
 
 
-RAW_BITS = {2: np.int16, 4: np.int32, 8: np.int64}  # a dtype's bits, by its bytes
-TORCH_BITS = {np.int16: torch.int16, np.int32: torch.int32, np.int64: torch.int64}
+def remove_file(file: BinaryIO, path: str) -> None:
+    """Close a file and remove it from disk."""
+    file.close()
+    os.remove(path)
 
 
 def make_leaves(
