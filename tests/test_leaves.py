@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -141,7 +142,7 @@ def test_file_leaves_keep_only_owners_in_memory_and_remove_their_file(tmp_path) 
     assert os.path.dirname(path) == str(tmp_path) and os.path.getsize(path) == leaves.file_bytes
     leaves.gather(torch.tensor([True, False]).expand(B, HKV, 2), torch.float64)
     if os.path.exists("/proc/self/maps"):  # read and written, never mapped into memory
-        assert path not in open("/proc/self/maps").read()
+        assert path not in Path("/proc/self/maps").read_text()
     del leaves
     gc.collect()
     assert not os.path.exists(path)
