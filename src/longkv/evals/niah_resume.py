@@ -63,31 +63,27 @@ ONLY_FOR = {
 
 
 def reusable_records(path: Path, s: NiahSettings) -> tuple[list[NiahRecord], dict[str, Any]]:
-    """The answers in a niah result file (`NiahRun.save`) to runs and cells of this grid, and
-    the file's provenance; a SettingError if an option that one of its runs here reads
-    (`ONLY_FOR`), or one that every answer reads, differs from these."""
+    """The answers in a niah result file (`NiahRun.save`) to runs and cells of this grid whose
+    runs read no option that differs from these (`ONLY_FOR`: the fold's answers at another
+    chunk size are left, full attention's taken), and the file's provenance; a SettingError if
+    an option that every answer reads differs."""
     data = json.loads(path.read_text())
     ours = json.loads(json.dumps(asdict(s)))
     theirs = saved_settings(data)
-    keys = set(s.keys)
-    records = [
-        record for record in (NiahRecord(**r) for r in data["records"]) if record.key in keys
-    ]
-    methods = {reader_of(r.method) for r in records}
-    differ = sorted(
-        k
-        for k in ours
-        if k not in RUN_FIELDS + GRID_FIELDS
-        and theirs[k] != ours[k]
-        and (k not in ONLY_FOR or methods & set(ONLY_FOR[k]))
-    )
+    differ = [k for k in ours if k not in RUN_FIELDS + GRID_FIELDS and theirs[k] != ours[k]]
+    everyone = [k for k in differ if k not in ONLY_FOR]
     require(
-        not differ,
+        not everyone,
         NiahSettings,
         "methods",
-        f"{path} answered another grid or other method options ({differ} differ); its answers "
-        "cannot be reused",
+        f"{path} answered another grid ({everyone} differ); its answers cannot be reused",
     )
+    keys = set(s.keys)
+    records = [
+        record
+        for record in (NiahRecord(**r) for r in data["records"])
+        if record.key in keys and not any(reader_of(record.method) in ONLY_FOR[k] for k in differ)
+    ]
     return records, data.get("provenance", {})
 
 
