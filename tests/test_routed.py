@@ -17,6 +17,7 @@ from longkv.caches.routed import (
     attended_entries,
     block_units,
     grouped,
+    last_query,
     routed_attention,
     top_units,
 )
@@ -267,3 +268,16 @@ def test_a_gather_pads_a_kv_head_with_fewer_leaves_and_the_padding_is_never_atte
     store.append(leaf_k, leaf_v, owner)
     gathered: Gathered = store.gather(opened.any(2), torch.float64)
     assert gathered.valid is not None and not bool(gathered.valid.all())
+
+
+def test_last_query_is_each_heads_last_row_and_keeps_no_other() -> None:
+    """Kept per layer between forwards: a view would keep every query's row alive (the score
+    matrix of a chunk, growing with the units)."""
+    L, U = 3, 7
+    rows = torch.randn(B, HKV, G * L, U, dtype=torch.float64)  # heads first
+    last = last_query(rows, G, L)  # (B, H, U)
+    want = torch.stack([rows[:, h // G, (h % G) * L + L - 1] for h in range(H)], dim=1)
+    assert torch.equal(last, want)
+    assert last.untyped_storage().nbytes() == last.numel() * last.element_size()
+    one = torch.randn(B, HKV, 1, U, dtype=torch.float64)  # one row for every head and query
+    assert torch.equal(last_query(one, G, L), one.expand(B, HKV, G, U).reshape(B, H, U))
