@@ -77,7 +77,7 @@ class KVMFoldConfig(BoundedConfig):
         "exact",
         "two-level KVM-Fold: how the tokens that left the window are kept: exact (the model's "
         "dtype, in memory), int8 (in memory, a code per channel, a scale per token and head) or "
-        "file (the model's dtype, in a memory-mapped file per layer)",
+        "file (the model's dtype, in a file per layer, read and written with plain file I/O)",
         choices=LEAF_STORES,
     )
     slot_key: str = setting(
