@@ -182,7 +182,7 @@ class FileLeaves(LeafStore):
     def __init__(self, keys: Tensor, values: Tensor, directory: str | None = None):
         super().__init__(keys, values)
         fd, self.path = tempfile.mkstemp(prefix="longkv-leaves-", suffix=".bin", dir=directory)
-        self.file = os.fdopen(fd, "r+b", buffering=0)
+        self.file = os.fdopen(fd, "r+b")  # buffered: a write or read moves every byte asked
         weakref.finalize(self, remove_file, self.file, self.path)
         self.heads = tuple(keys.shape[:2])  # (B, Hkv)
         self.row_bytes = self.heads[0] * self.heads[1] * self.width * self.dtype.itemsize
@@ -191,9 +191,8 @@ class FileLeaves(LeafStore):
         rows = torch.cat([keys, values], dim=-1).to(self.dtype)  # (B, Hkv, m, width)
         data = rows.permute(2, 0, 1, 3).contiguous().cpu()  # (m, B, Hkv, width)
         self.file.seek(len(self) * self.row_bytes)
-        view = memoryview(data.view(torch.uint8).reshape(-1).numpy())
-        while view:
-            view = view[self.file.write(view) :]
+        self.file.write(data.view(torch.uint8).reshape(-1).numpy())
+        self.file.flush()  # on disk, not in the write buffer, once the chunk's leaves are kept
 
     def _read(self, index: Tensor | None, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         device = self.owner.tensor.device
@@ -208,17 +207,13 @@ class FileLeaves(LeafStore):
         """The file's rows `which` (sorted leaf numbers) as (B, Hkv, n, width) in the model's
         dtype, each run of consecutive rows read at once."""
         rows = torch.empty(len(which), *self.heads, self.width, dtype=self.dtype)
-        into = memoryview(rows.view(torch.uint8).reshape(-1).numpy())
+        into = rows.view(torch.uint8).reshape(-1).numpy()
         at = 0
         for run in np.split(which, np.flatnonzero(np.diff(which) != 1) + 1) if len(which) else []:
             size = len(run) * self.row_bytes
             self.file.seek(int(run[0]) * self.row_bytes)
-            view = into[at : at + size]
-            while view:  # a read may return fewer bytes than asked
-                got = self.file.readinto(view)
-                if not got:
-                    raise OSError(f"{self.path}: the leaves file ends early")
-                view = view[got:]
+            if self.file.readinto(into[at : at + size]) != size:
+                raise OSError(f"{self.path}: the leaves file ends early")
             at += size
         return rows.permute(1, 2, 0, 3).to(device)
 

@@ -103,11 +103,11 @@ def grouped(q: Tensor, Hkv: int) -> Tensor:
 
 def last_query(rows: Tensor, G: int, L: int) -> Tensor:
     """(B, Hkv * G, U): each query head's row of the last query, from rows (B, Hkv, R, U) with
-    R = G * L (heads first) or 1 (one row for every query head and query); a copy, so that
-    keeping it does not keep every row."""
+    R = G * L (heads first) or 1 (one row for every query head and query); never a view of more
+    rows, so that keeping it does not keep every row."""
     B, Hkv, R, U = rows.shape
     last = rows.expand(B, Hkv, G, U) if R == 1 else rows.unflatten(2, (G, L))[:, :, :, -1]
-    return last.reshape(B, Hkv * G, U).clone(memory_format=torch.contiguous_format)
+    return last.reshape(B, Hkv * G, U).contiguous()
 
 
 def routed_bias(
