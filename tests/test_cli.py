@@ -757,7 +757,8 @@ def test_ask_answers_a_document_as_its_method_decodes_it(
     """The printed answer is the greedy answer of the method read the same prompt: the
     document, then the question (GPT-2's tokenizer has no chat template)."""
     from longkv.caches.methods import make_runner, read_and_answer
-    from longkv.cli.ask import AskOptions, prompt_ids
+    from longkv.cli.ask import AskOptions
+    from longkv.document.prompt import prompt_ids
     from longkv.models.pretrained import load_pretrained
 
     doc = tmp_path / "doc.txt"
@@ -770,7 +771,7 @@ def test_ask_answers_a_document_as_its_method_decodes_it(
     flags = {a.lstrip("-").replace("-", "_"): a for a in how if a.startswith("--")}
     values = dict(zip(flags, [how[how.index(f) + 1] for f in flags.values()], strict=True))
     o = AskOptions(
-        file=str(doc), question="q", method=values["method"],
+        file=str(doc), question=("q",), method=values["method"],
         chunk_size=int(values.get("chunk_size", 1024)),
         budgets=(int(values.get("budgets", 1024)),),
         window=int(values["window"]) if "window" in values else None,
@@ -793,7 +794,7 @@ def test_ask_reads_stdin_and_uses_a_chat_template_when_the_tokenizer_has_one(
 ) -> None:
     import io
 
-    from longkv.cli.ask import prompt_ids
+    from longkv.document.prompt import document_ids, prompt_ids
     from longkv.models.pretrained import load_pretrained
 
     _, tokenizer = load_pretrained(tiny_model, torch.float32)
@@ -806,8 +807,9 @@ def test_ask_reads_stdin_and_uses_a_chat_template_when_the_tokenizer_has_one(
     )
     monkeypatch.setattr("sys.stdin", io.StringIO("The word is moss."))
     assert main(ask_argv(tiny_model, Path("-"), "--method", "full")) == 0
-    read = len(prompt_ids(tokenizer, "The word is moss.", "What is the word?", chat=False))
-    assert f"{read} tokens read by full; answer:" in capsys.readouterr().err  # stdin, no template
+    read = len(document_ids(tokenizer, "The word is moss.", chat=False))
+    # stdin, no template: the document's part of the prompt, before the question's
+    assert f"{read} tokens read by full in " in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -817,7 +819,7 @@ def test_ask_reads_stdin_and_uses_a_chat_template_when_the_tokenizer_has_one(
         (["--method", "full"], "pass --allow-extrapolation"),
         (
             ["--method", "kvm-fold", "--budgets", "64", "128", "--stream-chunk", "16"],
-            "argument --budgets: ask reads",
+            "argument --budgets: a document is read with one method run",
         ),
         (
             [

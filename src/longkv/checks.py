@@ -63,18 +63,21 @@ def setting(
     required: bool = False,
     positional: bool = False,
     feeds: tuple[type, str] | None = None,
+    repeated: bool = False,
 ) -> Any:
     """A dataclass field with its default, a help text and (optionally) its allowed values;
     for a tuple field, `choices` are the allowed items. On the command line a `required` field
     must be given, and a `positional` one is given without a flag (a tuple: zero or more).
     feeds (cls, name): the value (each value, for a tuple) is passed on to field `name` of
-    settings class cls, so a refusal of that field (or of a subclass's) is this setting's."""
+    settings class cls, so a refusal of that field (or of a subclass's) is this setting's.
+    repeated: a tuple field whose option is given once per value (`--question A --question B`)."""
     metadata = {
         "help": help,
         "choices": None if choices is None else tuple(choices),
         "required": required,
         "positional": positional,
         "feeds": feeds,
+        "repeated": repeated,
     }
     return dataclasses.field(default=default, metadata=metadata)
 

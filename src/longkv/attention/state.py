@@ -118,6 +118,27 @@ class Rows:
         """The same rows in a store of their own, with room to grow."""
         return Rows._grown(self.tensor)
 
+    def shared(self) -> Rows:
+        """These rows over the same buffer, in a Store of their own that ends at hi: they append
+        in place past hi (where another `shared` of the same rows may have written before) and
+        never change rows [lo, hi), so each of several readers, one at a time, reads on from
+        here without copying what they share."""
+        return Rows(Store(self.store.data, self.hi, self.store.writable), self.lo, self.hi)
+
+    def with_room(self, n: int) -> Rows:
+        """These rows where n more append in place: themselves when their store has that room
+        past hi, else copied into a store of len + n rows."""
+        s = self.store
+        if self._writable() and s.end == self.hi and s.capacity - self.hi >= n:
+            return self
+        data = self.tensor.new_empty(*self.tensor.shape[:2], len(self) + n, self.tensor.shape[3])
+        data[:, :, : len(self)] = self.tensor
+        return Rows(Store(data, len(self)), 0, len(self))
+
+    def __reduce__(self) -> tuple[object, tuple[Tensor]]:
+        """Pickled (and deep-copied) as its rows alone, not the store's room around them."""
+        return owned_rows, (self.tensor.clone(memory_format=torch.contiguous_format),)
+
     @staticmethod
     def _grown(*parts: Tensor) -> Rows:
         """parts (B, Hkv, n_i, width) one after the other in a new store with twice their rows."""
@@ -136,6 +157,12 @@ class Rows:
     ) -> Rows:
         """A copy on another device and/or floating dtype."""
         return Rows.of(self.tensor.to(device=device, dtype=dtype))
+
+
+def owned_rows(t: Tensor) -> Rows:
+    """All rows of t (B, Hkv, n, width) in a writable store of exactly those rows (t is owned:
+    appending copies it into a grown store, `add_at(own=True)` writes it): an unpickled Rows."""
+    return Rows(Store(t, t.shape[2]), 0, t.shape[2])
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ The owners (one int64 per leaf, KV head and row) are always in memory: routing n
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import weakref
 from typing import BinaryIO, NamedTuple
@@ -81,6 +82,24 @@ class LeafStore:
         valid = None if bool((n == most).all()) else torch.arange(most, device=n.device) < n
         keys, values = self._read(index, dtype)
         return Gathered(keys, values, owner.gather(-1, index), valid)
+
+    def fork(self) -> LeafStore:
+        """A store that reads these leaves and appends its own after them, leaving this one as
+        it is: its buffers (and file) are this store's, written past the leaves this one holds
+        (`Rows.shared`), where an earlier fork may have written: one fork at a time appends."""
+        twin = object.__new__(type(self))  # not copy.copy, which pickles (a FileLeaves: no file)
+        twin.__dict__.update(vars(self))
+        for name, value in vars(self).items():
+            if isinstance(value, Rows):
+                setattr(twin, name, value.shared())
+        return twin
+
+    def reserve(self, n: int) -> None:
+        """Make room for n more leaves in the buffers, so that a fork appending up to n of them
+        copies none of these (`Rows.with_room`)."""
+        for name, value in vars(self).items():
+            if isinstance(value, Rows):
+                setattr(self, name, value.with_room(n))
 
     @property
     def nbytes(self) -> int:
@@ -181,11 +200,37 @@ class FileLeaves(LeafStore):
 
     def __init__(self, keys: Tensor, values: Tensor, directory: str | None = None):
         super().__init__(keys, values)
-        fd, self.path = tempfile.mkstemp(prefix="longkv-leaves-", suffix=".bin", dir=directory)
-        self.file = os.fdopen(fd, "r+b")  # buffered: a write or read moves every byte asked
-        weakref.finalize(self, remove_file, self.file, self.path)
+        self.directory = directory
+        self.open_file()
         self.heads = tuple(keys.shape[:2])  # (B, Hkv)
         self.row_bytes = self.heads[0] * self.heads[1] * self.width * self.dtype.itemsize
+
+    def open_file(self, source: str | None = None) -> None:
+        """A new file of this store's own in its directory, removed with the store; a copy of
+        the file `source` (a store's `export`) when given."""
+        fd, self.path = tempfile.mkstemp(prefix="longkv-leaves-", suffix=".bin", dir=self.directory)
+        self.file = os.fdopen(fd, "r+b")  # buffered: a write or read moves every byte asked
+        weakref.finalize(self, remove_file, self.file, self.path)
+        if source is not None:
+            with open(source, "rb") as saved:
+                shutil.copyfileobj(saved, self.file)
+            self.file.flush()
+
+    def export(self, path: str) -> None:
+        """Write the leaves' rows (the file's first len(self) rows) to a file at path."""
+        self.file.seek(0)
+        left = len(self) * self.row_bytes
+        with open(path, "wb") as out:
+            while left:
+                block = self.file.read(min(left, 1 << 24))
+                if not block:
+                    raise OSError(f"{self.path}: the leaves file ends early")
+                out.write(block)
+                left -= len(block)
+
+    def __getstate__(self) -> dict[str, object]:
+        """Everything but the file, which `export` writes and `open_file(source)` reads back."""
+        return {k: v for k, v in vars(self).items() if k not in ("file", "path")}
 
     def _append(self, keys: Tensor, values: Tensor) -> None:
         rows = torch.cat([keys, values], dim=-1).to(self.dtype)  # (B, Hkv, m, width)

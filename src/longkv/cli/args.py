@@ -2,11 +2,12 @@
 
 Each field of a settings dataclass declared with `longkv.checks.setting` becomes one option:
 `--field-name` (or a positional argument), typed by the field's annotation (a tuple takes one or
-more values, a bool is a `--name/--no-name` switch), with the field's default, choices, help and
-whether it is required. The parser remembers which dataclasses it was made from;
-`build_settings` builds them from the parsed options, so a bad value is refused before a command
-starts, and a `SettingError` about a field is reported under the option it came from, or under
-the option that feeds it (`longkv.checks.setting`'s `feeds`).
+more values, or one value per option given when `repeated`; a bool is a `--name/--no-name`
+switch), with the field's default, choices, help and whether it is required. The parser
+remembers which dataclasses it was made from; `build_settings` builds them from the parsed
+options, so a bad value is refused before a command starts, and a `SettingError` about a field
+is reported under the option it came from, or under the option that feeds it
+(`longkv.checks.setting`'s `feeds`).
 """
 
 from __future__ import annotations
@@ -111,7 +112,10 @@ def add_settings(parser: argparse.ArgumentParser, cls: type) -> None:
         else:
             if typing.get_origin(kind) in (typing.Union, types.UnionType):  # X | None: X
                 kind = next(k for k in typing.get_args(kind) if k is not type(None))
-            if typing.get_origin(kind) is tuple:
+            if typing.get_origin(kind) is tuple and f.metadata.get("repeated"):
+                kind = typing.get_args(kind)[0]
+                options.update(action="append", default=None)
+            elif typing.get_origin(kind) is tuple:
                 kind, options["nargs"] = typing.get_args(kind)[0], "*" if positional else "+"
             choices = f.metadata.get("choices")
             if choices is not None:  # listed once in the help, not in every usage line
@@ -142,6 +146,8 @@ def settings_from_args(cls: type[S], args: argparse.Namespace) -> S:
     for f in fields(cls):  # type: ignore[arg-type]
         if hasattr(args, f.name):
             value = getattr(args, f.name)
+            if value is None and f.metadata.get("repeated"):  # never given: the default
+                continue
             values[f.name] = tuple(value) if isinstance(value, list) else value
     return cls(**values)
 

@@ -1,70 +1,136 @@
-"""`longkv ask`: a question about a long document (a file or standard input), read by any
-method of the method table (full attention, the fold, a bounded cache), the answer printed as
-it is generated."""
+"""`longkv ask`: questions about a long document (a file, standard input, or a read saved by
+`longkv read`), the document read once by any method of the method table (full attention, the
+fold, a bounded cache), each answer printed as it is generated (or as JSON lines); `longkv
+read`: read a document once and save the read, to ask it later."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from longkv.caches.methods import (
-    CACHE_METHODS,
-    BoundedOptions,
-    keeps_positions,
-    make_runner,
-    read_and_answer,
-)
+from longkv.caches.methods import CACHE_METHODS, BoundedOptions, keeps_positions
 from longkv.caches.retrieval import check_exact_positions
 from longkv.checks import refused_as, require, require_at_least, setting
 from longkv.cli.args import command
-from longkv.cli.common import LoadOptions, dtype_setting, input_device
+from longkv.cli.common import LoadOptions, dtype_setting
 from longkv.decoding import Pick, Sampler, greedy
+from longkv.document.prompt import document_ids, question_ids
+from longkv.document.read import Answer, Document, ReadSettings, check_document, read_ids
+from longkv.document.save import load
 from longkv.fold.fold import CLI_SWITCH, check_positions
 
 
 @dataclass(frozen=True)
-class AskOptions(BoundedOptions):
-    """`longkv ask`: the document, the question, how the model reads them and how it answers."""
+class DocumentOptions(BoundedOptions):
+    """The document and how the model reads it (`ask` and `read`)."""
 
-    file: str | None = setting(
-        None, "the document: a text file, or - for standard input", required=True
-    )
-    question: str | None = setting(None, "what to ask about the document", required=True)
+    file: str | None = setting(None, "the document: a text file, or - for standard input")
     method: str = setting(
         "fold",
-        "how the model reads document and question: full (one forward), fold (chunks of "
-        "--chunk-size, exact) or a bounded cache (streaming, snapkv, kvm-fold, quest, infllm; "
-        "one budget)",
+        "how the model reads the document: full (one forward), fold (chunks of --chunk-size, "
+        "exact) or a bounded cache (streaming, snapkv, kvm-fold, quest, infllm; one budget; "
+        "two-level is kvm-fold with --kvm-open)",
         choices=CACHE_METHODS,
     )
     chunk_size: int = setting(1024, "fold: chunk (tokens)")
     chat: bool = setting(
         True, "put document and question in the tokenizer's chat template when it has one"
     )
+    dtype: str = dtype_setting()
+
+    def __post_init__(self) -> None:
+        require_at_least(1, self, "chunk_size")
+        runs = self.labels((self.method,))
+        require(
+            len(runs) == 1, self, "budgets",
+            f"a document is read with one method run; these options make {runs}: give one "
+            "budget, one --kvm-states and one --kvm-open",
+        )  # fmt: skip
+
+    def document(self) -> str:
+        """The document's text (the file, or standard input), refused unless it is text."""
+        assert self.file is not None
+        if self.file == "-":
+            text = sys.stdin.read()
+        else:
+            path = Path(self.file)
+            require(path.is_file(), self, "file", f"{self.file} is not a file")
+            try:
+                text = path.read_text(encoding="utf-8")
+            except UnicodeDecodeError as err:
+                byte = err.object[err.start]
+                require(
+                    False, self, "file",
+                    f"{self.file} is not text (not UTF-8: byte {byte:#04x} at {err.start})",
+                )  # fmt: skip
+        name = "standard input" if self.file == "-" else self.file
+        with refused_as(self, "file", f"{name}: {{}}"):
+            check_document(text)
+        return text
+
+    def read_settings(self, model: torch.nn.Module, allow_extrapolation: bool) -> ReadSettings:
+        """How the document is read, its bounded config checked against the model."""
+        configs = self.check_runs(model, (self.method,), "method")
+        label = self.labels((self.method,))[0]
+        return ReadSettings(
+            self.method, label, configs.get(label), self.chunk_size, self.stream_chunk,
+            self.chat, allow_extrapolation,
+        )  # fmt: skip
+
+    def check_positions(self, model: torch.nn.Module, s: ReadSettings, needed: int) -> None:
+        """Refuse --file unless the model has positions for `needed` tokens read by s."""
+        if s.config is None:  # full attention and the fold place every token at its own position
+            with refused_as(self, "file"):
+                check_positions(
+                    model, needed, f"the document, question and answer under {s.method}",
+                    allow_extrapolation=s.allow_extrapolation, switch=CLI_SWITCH,
+                )  # fmt: skip
+        elif keeps_positions(s.config):  # so do the retrieval caches
+            with refused_as(self, "file"):
+                check_exact_positions(
+                    model, needed, f"the document, question and answer ({s.label})"
+                )
+
+
+@dataclass(frozen=True)
+class AskOptions(DocumentOptions):
+    """`longkv ask`: the document (or a saved read), the questions and how they are answered."""
+
+    question: tuple[str, ...] = setting(
+        (), "a question about the document; give it once per question (the document is read "
+        "once)", required=True, repeated=True,
+    )  # fmt: skip
+    load: str | None = setting(
+        None, "a read saved by `longkv read --save` (instead of --file): its model, method and "
+        "settings are the save's",
+    )  # fmt: skip
     max_new_tokens: int = setting(128, "answer tokens at most")
     sample: bool = setting(False, "sample instead of greedy")
     temperature: float = setting(1.0, "sampling temperature")
     top_k: int | None = setting(None, "sample from the k likeliest (default: all)")
     top_p: float = setting(1.0, "sample from the likeliest whose probability reaches p")
     seed: int = setting(0, "seed of the sampling")
-    dtype: str = dtype_setting()
+    json: bool = setting(
+        False, "print one JSON line per answer (question, answer, seconds, tokens) instead "
+        "of the answers as they come",
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
-        require_at_least(1, self, "chunk_size", "max_new_tokens")
+        super().__post_init__()
+        require_at_least(1, self, "max_new_tokens")
         require(
-            self.method in CACHE_METHODS, self, "method", f"must be one of {CACHE_METHODS}"
+            (self.file is None) != (self.load is None), self, "file",
+            "give the document (--file) or a saved read (--load), one of them",
         )  # fmt: skip
-        runs = self.labels((self.method,))
-        require(
-            len(runs) == 1, self, "budgets",
-            f"ask reads with one method run; these options make {runs}: give one budget, one "
-            "--kvm-states and one --kvm-open",
-        )  # fmt: skip
+        for q in self.question:
+            require(bool(q.strip()), self, "question", "is empty; ask something")
         with refused_as(self):  # the sampler's refusal, as this option's
             self.pick()
 
@@ -76,19 +142,22 @@ class AskOptions(BoundedOptions):
         return Sampler(self.temperature, self.top_k, self.top_p, generator)
 
 
-def prompt_ids(tokenizer: Any, document: str, question: str, chat: bool = True) -> list[int]:
-    """The prompt's token ids: document and question as one user turn of the tokenizer's chat
-    template (with the assistant's turn opened) when it has one and `chat`; else the document,
-    a blank line, "Question: ..." and "Answer:"."""
-    if chat and getattr(tokenizer, "chat_template", None):
-        turn = [{"role": "user", "content": f"{document}\n\n{question}"}]
-        encoded = tokenizer.apply_chat_template(turn, add_generation_prompt=True, tokenize=True)
-        return list(encoded["input_ids"])
-    return list(tokenizer(f"{document}\n\nQuestion: {question}\nAnswer:")["input_ids"])
+@dataclass(frozen=True)
+class ReadOptions(DocumentOptions):
+    """`longkv read`: the document, how it is read, and where the read is kept."""
+
+    save: str | None = setting(
+        None, "the folder the read is saved to (replaced when it holds an earlier save)",
+        required=True,
+    )  # fmt: skip
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.file is not None, self, "file", "give the document to read")
 
 
 class Printer:
-    """Prints the answer as its tokens come (`read_and_answer`'s on_token), up to eos."""
+    """Prints the answer as its tokens come (`Document.ask`'s on_token), up to eos."""
 
     def __init__(self, tokenizer: Any, eos: int | None) -> None:
         self.tokenizer, self.eos = tokenizer, eos
@@ -107,42 +176,55 @@ class Printer:
 
 
 def configure(name: str, parser: argparse.ArgumentParser) -> None:
-    """The options of `ask`."""
-    command(parser, run, LoadOptions, AskOptions)
+    """The options of `ask` and `read`."""
+    if name == "read":
+        command(parser, run_read, LoadOptions, ReadOptions)
+    else:
+        command(parser, run, LoadOptions, AskOptions)
+
+
+def read_document(m: LoadOptions, o: DocumentOptions, questions: tuple[str, ...] = ()) -> Document:
+    """Load the model and read the document by the options' method, after checking that the
+    model has positions for it and the longest of `questions` with its answer."""
+    text = o.document()
+    model, tokenizer = m.load(o.dtype)
+    s = o.read_settings(model, m.allow_extrapolation)
+    ids = document_ids(tokenizer, text, o.chat)
+    asked = max((len(question_ids(tokenizer, q, o.chat)) for q in questions), default=0)
+    answer = o.max_new_tokens - 1 if isinstance(o, AskOptions) else 0  # the last is never read
+    o.check_positions(model, s, len(ids) + asked + answer)
+    start = time.perf_counter()
+    doc = read_ids(model, tokenizer, ids, s)
+    doc.model_id = m.model
+    print(
+        f"{doc.tokens} tokens read by {s.label} in {time.perf_counter() - start:.1f} s",
+        file=sys.stderr,
+    )
+    return doc
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     m, o = args.settings[LoadOptions], args.settings[AskOptions]
-    assert o.file is not None and o.question is not None
-    if o.file == "-":
-        document = sys.stdin.read()
+    if o.load is not None:
+        doc = load(o.load, device=m.device)
+        print(f"{doc.tokens} tokens read by {doc.settings.label}, loaded", file=sys.stderr)
     else:
-        path = Path(o.file)
-        require(path.is_file(), o, "file", f"{o.file} is not a file")
-        document = path.read_text(encoding="utf-8")
-    model, tokenizer = m.load(o.dtype)
-    ids = prompt_ids(tokenizer, document, o.question, o.chat)
-    configs = o.check_runs(model, (o.method,), "method")
-    label = o.labels((o.method,))[0]
-    config = configs.get(label)
-    needed = len(ids) + o.max_new_tokens - 1  # the last answer token is never read
-    if config is None:  # full attention and the fold place every token at its own position
-        with refused_as(o, "file"):
-            check_positions(
-                model, needed, f"the document, question and answer under {o.method}",
-                allow_extrapolation=m.allow_extrapolation, switch=CLI_SWITCH,
-            )  # fmt: skip
-    elif keeps_positions(config):  # so do the retrieval caches
-        with refused_as(o, "file"):
-            check_exact_positions(model, needed, f"the document, question and answer ({label})")
-    eos = getattr(tokenizer, "eos_token_id", None)
-    tensor = torch.tensor([ids], device=input_device(model))
-    runner = None if config is None else make_runner(model, config)
-    print(f"{len(ids)} tokens read by {label}; answer:", file=sys.stderr)
-    read_and_answer(
-        model, tensor, label, o.max_new_tokens, runner=runner, chunk_size=o.chunk_size,
-        stream_chunk=o.stream_chunk, eos_token_id=eos, allow_extrapolation=m.allow_extrapolation,
-        pick=o.pick(), on_token=Printer(tokenizer, eos),
-    )  # fmt: skip
-    print()
+        doc = read_document(m, o, o.question)
+    eos = getattr(doc.tokenizer, "eos_token_id", None)
+    for i, question in enumerate(o.question):
+        if len(o.question) > 1 and not o.json:
+            print(f"question {i + 1} of {len(o.question)}: {question}", file=sys.stderr)
+        printer = None if o.json else Printer(doc.tokenizer, eos)
+        answer: Answer = doc.ask(question, o.max_new_tokens, pick=o.pick(), on_token=printer)
+        print(json.dumps(answer.as_json()) if o.json else "", flush=True)
+    return 0
+
+
+def run_read(args: argparse.Namespace, argv: list[str]) -> int:
+    m, o = args.settings[LoadOptions], args.settings[ReadOptions]
+    doc = read_document(m, o)
+    assert o.save is not None
+    start = time.perf_counter()
+    where = doc.save(o.save)
+    print(f"saved to {where} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return 0

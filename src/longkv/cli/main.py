@@ -18,8 +18,12 @@ from longkv.cli.args import DECLARED, HelpFormatter, build_settings, declared
 COMMANDS: dict[str, tuple[str, str]] = {
     "ask": (
         "longkv.cli.ask",
-        "ask a question about a long document (a file or stdin), read by full attention, the "
-        "fold or a bounded cache; the answer printed as it comes",
+        "ask questions about a long document (a file, stdin or a saved read), read once by "
+        "full attention, the fold or a bounded cache; each answer printed as it comes",
+    ),
+    "read": (
+        "longkv.cli.ask",
+        "read a long document once (any method of ask) and save the read, for ask --load",
     ),
     "niah": (
         "longkv.cli.niah",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from torch import Tensor, nn
+from transformers.cache_utils import Cache
 
 from longkv.decoding import Pick, decode, greedy
 from longkv.fold.fold import FoldRunner, Forward, kv_fold
@@ -39,6 +40,7 @@ def fold_generate(
     *,
     eos_token_id: int | None = None,
     prefix_ids: Tensor | None = None,
+    cache: Cache | None = None,
     allow_extrapolation: bool = False,
     variant: str = "exact",
     progress: bool = False,
@@ -49,12 +51,14 @@ def fold_generate(
     unless `pick` samples (`continue_decode`).
 
     variant: as for `kv_fold`; decoding runs under it too (no prefix is inserted while
-    decoding, 'restart' goes on counting positions mod chunk_size)."""
+    decoding, 'restart' goes on counting positions mod chunk_size); cache: continue an earlier
+    fold, as for `kv_fold`."""
     fold = kv_fold(
         model,
         input_ids,
         chunk_size,
         prefix_ids=prefix_ids,
+        cache=cache,
         allow_extrapolation=allow_extrapolation,
         score=False,
         reserve=max_new_tokens - 1,  # the last new token is never fed back

@@ -1,0 +1,256 @@
+"""A document read once and asked many questions: `read` and `Document.ask`.
+
+`read` runs a frozen model over a document's part of the prompt (`document.prompt`) by any
+method of the method table and keeps what the method keeps: the fold's or full attention's
+cache, or a bounded cache's runner (its leaves too). `Document.ask` forks the read
+(`caches.fork`), reads the question's part on the fork and decodes the answer: the read is never
+changed, so answers do not depend on the order of the questions.
+
+A bounded method reads in chunks of `stream_chunk`, and what it keeps depends on where the
+chunks fall; the read stops at the document's last whole chunk, and each question reads the
+rest (fewer than `stream_chunk` tokens) before its own, so the chunks fall where a fresh read of
+document and question puts them and the answer is the fresh read's, bit for bit. The fold and
+full attention read the whole document: their cache is the same wherever the chunks fall, up to
+the rounding of the forwards' shapes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from longkv.caches.bounded import BoundedConfig, BoundedRunner, bounded_fold, bounded_generate
+from longkv.caches.fork import fork
+from longkv.caches.kvm_fold import KVMFoldConfig
+from longkv.caches.methods import BOUNDED, CACHE_METHODS, BoundedOptions, make_runner
+from longkv.caches.retrieval import RetrievalRunner, check_exact_positions
+from longkv.checks import require
+from longkv.decoding import Pick, greedy
+from longkv.document.prompt import document_ids, question_ids
+from longkv.fold.fold import FoldRunner, check_positions, kv_fold
+from longkv.fold.generate import fold_generate
+
+# "two-level" reads as kvm-fold with slots opened (KVMFoldConfig.open), by default 8
+METHODS = (*CACHE_METHODS, "two-level")
+TWO_LEVEL_OPEN = 8
+# leaves a fork may append before it copies the read's (`LeafStore.reserve`)
+LEAF_ROOM = 1024
+
+
+@dataclass(frozen=True)
+class ReadSettings:
+    """How a document is read: the method (`METHODS`) and its run label, the bounded config
+    (None for full and fold), the fold's chunk, a bounded cache's chunk, whether the prompt
+    goes into the chat template, and whether positions past the model's may be run."""
+
+    method: str
+    label: str
+    config: BoundedConfig | None = None
+    chunk_size: int = 1024
+    stream_chunk: int = 64
+    chat: bool = True
+    allow_extrapolation: bool = False
+
+    def __post_init__(self) -> None:
+        require(self.method in CACHE_METHODS, self, "method", f"must be one of {METHODS}")
+        require(
+            (self.config is None) == (self.method not in BOUNDED), self, "config",
+            f"{self.method} {'takes no' if self.method not in BOUNDED else 'needs a'} "
+            "bounded config",
+        )  # fmt: skip
+        for name in ("chunk_size", "stream_chunk"):
+            value = getattr(self, name)
+            require(isinstance(value, int) and value >= 1, self, name, f"must be >= 1, got {value}")
+        if self.config is not None:
+            require(
+                self.stream_chunk <= self.config.window_len, self, "stream_chunk",
+                f"{self.stream_chunk} exceeds the window of {self.label} "
+                f"({self.config.window_len} tokens)",
+            )  # fmt: skip
+
+
+def read_settings(
+    method: str,
+    config: BoundedConfig | None = None,
+    **settings: Any,
+) -> ReadSettings:
+    """The settings of a read by `method` (one of METHODS); a bounded method without a config
+    takes the command line's defaults (`BoundedOptions`; two-level: opening 8 slots)."""
+    require(method in METHODS, None, "method", f"must be one of {METHODS}, got {method!r}")
+    if method == "two-level":
+        method = "kvm-fold"
+        config = config or KVMFoldConfig(open=TWO_LEVEL_OPEN)
+        require(
+            isinstance(config, KVMFoldConfig) and config.open > 0, None, "config",
+            "two-level reads with a KVMFoldConfig that opens slots (open > 0)",
+        )  # fmt: skip
+    if method not in BOUNDED:
+        return ReadSettings(method, method, None, **settings)
+    if config is None:
+        ((label, config),) = BoundedOptions().bounded_configs((method,)).items()
+    else:
+        opened = config.open if isinstance(config, KVMFoldConfig) else 0
+        label = f"{method}{f'/open{opened}' if opened else ''}@{config.budget}"
+    return ReadSettings(method, label, config, **settings)
+
+
+@dataclass
+class Answer:
+    """An answer: its text and tokens (eos not included), the seconds from the question to
+    the first token and to the last, and the tokens read for the question (its part of the
+    prompt, after the document's last chunk)."""
+
+    question: str
+    text: str
+    tokens: list[int]
+    first_token_seconds: float
+    seconds: float
+    read_tokens: int
+
+    def as_json(self) -> dict[str, Any]:
+        """The answer for scripts: question, answer, seconds, tokens."""
+        return {
+            "question": self.question, "answer": self.text, "seconds": self.seconds,
+            "first_token_seconds": self.first_token_seconds, "tokens": len(self.tokens),
+        }  # fmt: skip
+
+
+@dataclass
+class Document:
+    """A document read by one method: the runner as the read left it, the document's tokens it
+    has not read yet (`pending`, read with each question), the number of the document's
+    tokens, and the model's id for a save (default: the folder or hub id it was loaded from).
+    Ask it questions (`ask`), keep it (`save`, `longkv.load`)."""
+
+    model: nn.Module
+    tokenizer: Any
+    settings: ReadSettings
+    runner: FoldRunner | BoundedRunner
+    pending: list[int]
+    tokens: int
+    read_seconds: float = 0.0
+    model_id: str = ""
+
+    def __post_init__(self) -> None:
+        self.model_id = self.model_id or str(getattr(self.model, "name_or_path", ""))
+
+    def save(self, path: str | Path) -> Path:
+        """Keep the read in folder `path`, atomically (`longkv.document.save.save`)."""
+        from longkv.document.save import save  # save imports this module
+
+        return save(self, path)
+
+    def ask(
+        self,
+        question: str,
+        max_new_tokens: int = 128,
+        *,
+        pick: Pick = greedy,
+        on_token: Any = None,
+        progress: bool = False,
+    ) -> Answer:
+        """Answer a question from the read, without changing it: greedy unless `pick` samples;
+        on_token sees each new token (B,) as it comes."""
+        require(bool(question.strip()), None, "question", "is empty; ask something")
+        require(max_new_tokens >= 1, None, "max_new_tokens", f"must be >= 1, got {max_new_tokens}")
+        s, tok = self.settings, self.tokenizer
+        ids = torch.tensor([self.pending + question_ids(tok, question, s.chat)])
+        ids = ids.to(next(self.model.parameters()).device)
+        eos = getattr(tok, "eos_token_id", None)
+        start = time.perf_counter()
+        first: list[float] = []
+
+        def seen(token: torch.Tensor) -> None:
+            if not first:
+                first.append(time.perf_counter() - start)
+            if on_token is not None:
+                on_token(token)
+
+        runner = fork(self.runner)
+        if isinstance(runner, FoldRunner):
+            chunk = ids.shape[1] if s.method == "full" else s.chunk_size
+            out = fold_generate(
+                self.model, ids, chunk, max_new_tokens, eos_token_id=eos, cache=runner.cache,
+                allow_extrapolation=s.allow_extrapolation, progress=progress, pick=pick,
+                on_token=seen,
+            )  # fmt: skip
+        else:
+            out = bounded_generate(
+                runner, ids, s.stream_chunk, max_new_tokens, eos_token_id=eos,
+                progress=progress, pick=pick, on_token=seen, desc=s.label,
+            )  # fmt: skip
+        tokens = [t for t in out[0].tolist() if t != eos]
+        return Answer(
+            question, tok.decode(tokens, skip_special_tokens=True), tokens, first[0],
+            time.perf_counter() - start, ids.shape[1],
+        )  # fmt: skip
+
+
+def check_document(text: str) -> None:
+    """Refuse a document that is empty (or whitespace) or not text (it holds NUL characters)."""
+    require(bool(text.strip()), None, "document", "is empty: there is nothing to read")
+    require("\x00" not in text, None, "document", "holds NUL characters: it is not text")
+
+
+def read(
+    model: nn.Module,
+    tokenizer: Any,
+    document: str | list[int],
+    method: str = "fold",
+    *,
+    config: BoundedConfig | None = None,
+    progress: bool = True,
+    **settings: Any,
+) -> Document:
+    """Read a document (a text, or its token ids as the prompt's document part) once, by
+    `method` (`METHODS`; a bounded one with `config`, else the command line's defaults), to ask
+    it questions. settings: chunk_size (fold, 1024), stream_chunk (bounded, 64), chat (put the
+    prompt in the tokenizer's chat template, True), allow_extrapolation (False)."""
+    s = read_settings(method, config, **settings)
+    if isinstance(document, str):
+        check_document(document)
+        ids = document_ids(tokenizer, document, s.chat)
+    else:
+        ids = [int(t) for t in document]
+        require(bool(ids), None, "document", "has no tokens: there is nothing to read")
+    return read_ids(model, tokenizer, ids, s, progress)
+
+
+def read_ids(
+    model: nn.Module, tokenizer: Any, ids: list[int], s: ReadSettings, progress: bool = True
+) -> Document:
+    """`read` of the document part's token ids under settings s."""
+    T = len(ids)
+    what = f"the document ({s.label})"
+    tensor = torch.tensor([ids], device=next(model.parameters()).device)
+    start = time.perf_counter()
+    if s.config is None:
+        check_positions(model, T, what, allow_extrapolation=s.allow_extrapolation)
+        chunk = T if s.method == "full" else s.chunk_size
+        fold = kv_fold(
+            model, tensor, chunk, score=False, allow_extrapolation=s.allow_extrapolation,
+            progress=progress,
+        )  # fmt: skip
+        runner: FoldRunner | BoundedRunner = FoldRunner(model, fold.cache, fold.next_position)
+        pending: list[int] = []
+    else:
+        runner = make_runner(model, s.config)
+        if isinstance(runner, RetrievalRunner) and not runner.inside:
+            check_exact_positions(model, T, what)
+        whole = T // s.stream_chunk * s.stream_chunk
+        if whole:
+            bounded_fold(
+                runner, tensor[:, :whole], s.stream_chunk, score=False, progress=progress,
+                desc=s.label,
+            )  # fmt: skip
+        if isinstance(runner, RetrievalRunner):
+            for store in runner.leaves:
+                if store is not None:
+                    store.reserve(LEAF_ROOM)
+        pending = ids[whole:]
+    return Document(model, tokenizer, s, runner, pending, T, time.perf_counter() - start)

@@ -1,0 +1,290 @@
+"""A read kept on disk: `save` a `Document` to a folder, `load` it back to ask it more.
+
+The folder holds `state.pkl` (the read's objects: the runner, its bounded part and the
+settings, pickled with every tensor and module left out), `tensors.pt` (the tensors, loaded
+with torch's weights-only loader), one `leaves-<layer>.bin` per layer of a "file" leaf store
+(its rows), and `manifest.json`, written last: the library version and save format, the model
+(id, dtype and a fingerprint of its weights), a fingerprint of the tokenizer, the method and
+its settings, the document's token count, and the bytes and SHA-256 of every other file.
+
+A save goes to a temporary folder beside the target, each file synced, and is renamed into
+place: a crash mid-save leaves the old save or none. `load` refuses, in one line naming the
+cause, a folder without a manifest, a file whose size or checksum differs from it (truncated,
+corrupted), another save format or library version, a model or tokenizer other than the
+save's; `state.pkl` is unpickled with only longkv's classes and a few plain types allowed, so a
+save cannot run code of its own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import pickle
+import shutil
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers import DynamicCache
+
+from longkv.caches.bounded import BoundedRunner
+from longkv.caches.leaves import FileLeaves
+from longkv.caches.retrieval import RetrievalRunner
+from longkv.document.read import LEAF_ROOM, Document
+from longkv.dtypes import DTYPES
+from longkv.models.pretrained import load_pretrained
+from longkv.version import __version__
+
+FORMAT = 1  # the save format: what the files are and what the manifest says
+MANIFEST, STATE, TENSORS = "manifest.json", "state.pkl", "tensors.pt"
+SAMPLES = 4096  # values of each parameter the weights' fingerprint reads
+# what a save may hold besides longkv's classes: transformers' cache, a few plain types, and
+# the one function that rebuilds an unpickled `Rows`
+ALLOWED = {
+    ("transformers.cache_utils", name)
+    for name in ("DynamicCache", "DynamicLayer", "DynamicSlidingWindowLayer", "Cache")
+} | {
+    ("copyreg", "_reconstructor"), ("builtins", "object"), ("builtins", "set"),
+    ("builtins", "frozenset"), ("builtins", "slice"), ("collections", "OrderedDict"),
+    ("torch", "device"), ("torch", "Size"), ("longkv.attention.state", "owned_rows"),
+}  # fmt: skip
+
+
+class SavedReadError(ValueError):
+    """A save that cannot be loaded: the message says why, in one line."""
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """SHA-256 over every parameter's and buffer's name, shape and dtype and SAMPLES of its
+    values spread over it: another model (or the same one fine-tuned) differs."""
+    h = hashlib.sha256()
+    with torch.no_grad():
+        for name, t in (*model.named_parameters(), *model.named_buffers()):
+            flat = t.detach().reshape(-1)
+            step = max(1, flat.numel() // SAMPLES)
+            h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+            h.update(flat[::step][:SAMPLES].double().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """SHA-256 over the tokenizer's vocabulary, special tokens and chat template."""
+    vocab = sorted(tokenizer.get_vocab().items())
+    parts = [vocab, tokenizer.all_special_tokens, getattr(tokenizer, "chat_template", None)]
+    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    """SHA-256 of a file's bytes, read a block at a time."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            h.update(block)
+    return h.hexdigest()
+
+
+class StatePickler(pickle.Pickler):
+    """Pickles a read's objects with the model's modules by name, tensors by number (collected
+    in `tensors`, saved apart) and the `rebuilt` object (a bounded runner's cache of its last
+    forward, which its next forward builds anew) as an empty cache."""
+
+    def __init__(self, file: io.BufferedWriter, model: nn.Module, rebuilt: object) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.modules = {id(m): name for name, m in model.named_modules()}
+        self.tensors: list[Tensor] = []
+        self.rebuilt = rebuilt
+
+    def persistent_id(self, obj: object) -> tuple[str, object] | None:
+        if obj is self.rebuilt and obj is not None:
+            return ("rebuilt", None)
+        if isinstance(obj, nn.Module):
+            if id(obj) not in self.modules:
+                raise TypeError(f"a read holds a module outside its model: {type(obj).__name__}")
+            return ("module", self.modules[id(obj)])
+        if isinstance(obj, Tensor):
+            self.tensors.append(obj.detach())
+            return ("tensor", len(self.tensors) - 1)
+        return None
+
+
+class StateUnpickler(pickle.Unpickler):
+    """Unpickles what `StatePickler` wrote: longkv's classes (and `ALLOWED`) only, the modules
+    from `model`, the tensors from `tensors`."""
+
+    def __init__(self, file: io.BufferedReader, model: nn.Module, tensors: list[Tensor]):
+        super().__init__(file)
+        self.model, self.tensors = model, tensors
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = super().find_class(module, name) if module.split(".")[0] == "longkv" else None
+        if isinstance(found, type) or (module, name) in ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"holds {module}.{name}, which a read never holds")
+
+    def persistent_load(self, pid: Any) -> Any:
+        kind, key = pid
+        if kind == "rebuilt":
+            return DynamicCache()
+        if kind == "module":
+            return self.model.get_submodule(key)
+        return self.tensors[key]
+
+
+def fsync_path(path: Path) -> None:
+    """Flush a file's (or folder's) data to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save(doc: Document, path: str | Path) -> Path:
+    """Keep a read in folder `path` (replaced if it holds an earlier save), atomically."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.saving-", dir=target.parent))
+    try:
+        write_files(doc, tmp)
+        fsync_path(tmp)
+        if target.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+            target.rename(old / "save")  # the old save is gone from `path` only once the
+            tmp.rename(target)  # new one is complete; between the two, `path` holds none
+            shutil.rmtree(old)
+        else:
+            tmp.rename(target)
+        fsync_path(target.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def write_files(doc: Document, folder: Path) -> None:
+    """The save's files in folder, the manifest last."""
+    state = {"settings": doc.settings, "runner": doc.runner, "pending": doc.pending}
+    with open(folder / STATE, "wb") as f:
+        rebuilt = doc.runner.cache if isinstance(doc.runner, BoundedRunner) else None
+        pickler = StatePickler(f, doc.model, rebuilt)
+        pickler.dump(state)
+    torch.save(pickler.tensors, folder / TENSORS)
+    for layer, store in enumerate(leaf_stores(doc.runner)):
+        if isinstance(store, FileLeaves):
+            store.export(str(folder / f"leaves-{layer}.bin"))
+    files = {}
+    for item in sorted(folder.iterdir()):
+        fsync_path(item)
+        files[item.name] = {"bytes": item.stat().st_size, "sha256": file_sha256(item)}
+    s = doc.settings
+    config = None if s.config is None else {"class": type(s.config).__name__, **asdict(s.config)}
+    manifest = {
+        "format": FORMAT, "longkv": __version__,
+        "model": {
+            "id": doc.model_id, "dtype": dtype_name(doc.model),
+            "fingerprint": model_fingerprint(doc.model),
+        },
+        "tokenizer": {"fingerprint": tokenizer_fingerprint(doc.tokenizer)},
+        "method": s.method, "label": s.label, "config": config,
+        "settings": {k: v for k, v in asdict(s).items() if k not in ("config",)},
+        "tokens": doc.tokens, "pending": len(doc.pending), "files": files,
+    }  # fmt: skip
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str) + "\n")
+    fsync_path(folder / MANIFEST)
+
+
+def dtype_name(model: nn.Module) -> str:
+    """The name (`DTYPES`) of the model's parameters' dtype."""
+    dtype = next(model.parameters()).dtype
+    return next((name for name, d in DTYPES.items() if d == dtype), str(dtype))
+
+
+def leaf_stores(runner: object) -> list[object]:
+    """The runner's leaf store per layer (None where a layer keeps none); [] without leaves."""
+    return list(runner.leaves) if isinstance(runner, RetrievalRunner) else []
+
+
+def read_manifest(folder: Path) -> dict[str, Any]:
+    """The manifest of a save, after checking every file it names: present, of its size and
+    checksum."""
+    where = f"read {folder}"
+    if not (folder / MANIFEST).is_file():
+        raise SavedReadError(
+            f"{where}: no {MANIFEST}, so not a saved read (or its save did not end)"
+        )
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+        files = manifest["files"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise SavedReadError(f"{where}: {MANIFEST} is corrupted ({err})") from None
+    if manifest.get("format") != FORMAT:
+        raise SavedReadError(
+            f"{where}: save format {manifest.get('format')}, and this longkv reads format {FORMAT}"
+        )
+    if manifest.get("longkv") != __version__:
+        raise SavedReadError(
+            f"{where}: saved by longkv {manifest.get('longkv')}, and this is longkv "
+            f"{__version__}; a read is kept by the version that made it: read it again"
+        )
+    for name, want in files.items():
+        item = folder / name
+        if not item.is_file():
+            raise SavedReadError(f"{where}: {name} is missing")
+        size = item.stat().st_size
+        if size != want["bytes"]:
+            raise SavedReadError(
+                f"{where}: {name} is truncated or changed ({size} bytes, saved {want['bytes']})"
+            )
+        if file_sha256(item) != want["sha256"]:
+            raise SavedReadError(f"{where}: {name} is corrupted (its checksum differs)")
+    return manifest
+
+
+def load(
+    path: str | Path,
+    model: nn.Module | None = None,
+    tokenizer: Any = None,
+    *,
+    device: str | torch.device = "cpu",
+) -> Document:
+    """The read kept in folder `path` (`save`), to ask again. Without model and tokenizer,
+    those the save names are loaded (`load_pretrained`), in its dtype, on `device`."""
+    folder = Path(path)
+    manifest = read_manifest(folder)
+    where = f"read {folder}"
+    saved = manifest["model"]
+    if model is None or tokenizer is None:
+        loaded = load_pretrained(saved["id"], DTYPES[saved["dtype"]], device)
+        model, tokenizer = model or loaded[0], tokenizer or loaded[1]
+    if model_fingerprint(model) != saved["fingerprint"]:
+        raise SavedReadError(
+            f"{where}: saved with model {saved['id']} ({saved['dtype']}), and this model's "
+            "weights differ; load it with that model"
+        )
+    if tokenizer_fingerprint(tokenizer) != manifest["tokenizer"]["fingerprint"]:
+        raise SavedReadError(f"{where}: saved with another tokenizer than this one")
+    tensors = torch.load(folder / TENSORS, map_location=device, weights_only=True)
+    with open(folder / STATE, "rb") as f:
+        try:
+            state = StateUnpickler(f, model, tensors).load()
+        except (pickle.UnpicklingError, EOFError, AttributeError, IndexError) as err:
+            raise SavedReadError(f"{where}: {STATE} cannot be read ({err})") from None
+    runner = state["runner"]
+    for layer, store in enumerate(leaf_stores(runner)):
+        if isinstance(store, FileLeaves):
+            if store.directory is not None and not os.path.isdir(store.directory):
+                store.directory = None  # the saver's folder is not here: the temporary one
+            store.open_file(str(folder / f"leaves-{layer}.bin"))
+        if store is not None:
+            store.reserve(LEAF_ROOM)
+    return Document(
+        model, tokenizer, state["settings"], runner, state["pending"], manifest["tokens"],
+        model_id=saved["id"],
+    )  # fmt: skip

@@ -1,0 +1,264 @@
+"""A document read once and asked many questions (`longkv.document`): answers independent of the
+order of the questions and equal to a fresh read's, reads saved and loaded bit for bit, damaged
+or foreign saves refused in one line, a killed save never loaded as valid.
+
+The model is a tiny random Llama in float64 with the GPT-2 tokenizer; answers are sampled with a
+seed per question, so that they follow the read's logits rather than one greedy token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import over_tokenizer, tiny_hf
+from longkv.caches.kvm_fold import KVMFoldConfig
+from longkv.caches.methods import BoundedOptions, make_runner, read_and_answer
+from longkv.checks import SettingError
+from longkv.decoding import Sampler
+from longkv.document import Document, read
+from longkv.document.prompt import prompt_ids
+from longkv.document.save import MANIFEST, STATE, TENSORS, SavedReadError, load
+from longkv.train.tokenizer import gpt2_tokenizer
+
+TEXT = " ".join(f"Item {i % 37} lies in room {i % 11}." for i in range(120))
+QUESTIONS = [f"Where does item {i} lie?" for i in range(10)]
+CHUNKS = {"chunk_size": 128, "stream_chunk": 16}
+
+
+def method_config(method: str) -> Any:
+    """The bounded config of a method at a budget of 128 (None for full and fold)."""
+    if method in ("full", "fold"):
+        return None
+    if method.startswith("two-level"):
+        return KVMFoldConfig(budget=128, open=4, leaves=method.partition("/")[2] or "exact")
+    ((_, config),) = BoundedOptions(budgets=(128,)).bounded_configs((method,)).items()
+    return config
+
+
+def tiny_model() -> tuple[Any, Any]:
+    """A 1-layer random Llama in float64 and the GPT-2 tokenizer."""
+    tokenizer = gpt2_tokenizer()
+    return tiny_hf(**over_tokenizer(tokenizer), max_position_embeddings=4096).double(), tokenizer
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer() -> tuple[Any, Any]:
+    return tiny_model()
+
+
+def answers(doc: Document, questions: list[str]) -> dict[str, list[int]]:
+    """Each question's sampled answer tokens (seeded by the question)."""
+    out = {}
+    for q in questions:
+        pick = Sampler(generator=torch.Generator().manual_seed(QUESTIONS.index(q)))
+        out[q] = doc.ask(q, 6, pick=pick).tokens
+    return out
+
+
+def fresh(model: Any, tokenizer: Any, method: str, question: str) -> list[int]:
+    """The sampled answer of one read of document and question together (`read_and_answer`)."""
+    config = method_config(method)
+    runner = None if config is None else make_runner(model, config)
+    ids = torch.tensor([prompt_ids(tokenizer, TEXT, question)])
+    pick = Sampler(generator=torch.Generator().manual_seed(QUESTIONS.index(question)))
+    out = read_and_answer(
+        model, ids, method.partition("/")[0] if config is None else "bounded", 6, runner=runner,
+        eos_token_id=tokenizer.eos_token_id, pick=pick, **CHUNKS,
+    )[0].tolist()  # fmt: skip
+    return [t for t in out if t != tokenizer.eos_token_id]
+
+
+METHODS = ["full", "fold", "streaming", "snapkv", "kvm-fold", "two-level", "quest", "infllm"]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_ten_questions_in_two_orders_answer_as_fresh_reads(
+    model_and_tokenizer: tuple[Any, Any], method: str
+) -> None:
+    model, tokenizer = model_and_tokenizer
+    name = "kvm-fold" if method == "two-level" else method
+    doc = read(model, tokenizer, TEXT, name, config=method_config(method), progress=False, **CHUNKS)
+    forward = answers(doc, QUESTIONS)
+    backward = answers(doc, QUESTIONS[::-1])
+    assert forward == backward
+    assert len({tuple(a) for a in forward.values()}) > 1  # the answers tell the questions apart
+    for q in QUESTIONS[:3]:
+        assert forward[q] == fresh(model, tokenizer, method, q), q
+
+
+@pytest.mark.parametrize(
+    "method", ["fold", "streaming", "snapkv", "two-level/exact", "two-level/int8",
+               "two-level/file", "quest", "infllm"],
+)  # fmt: skip
+def test_a_loaded_read_answers_as_the_read_it_saved(
+    model_and_tokenizer: tuple[Any, Any], method: str, tmp_path: Path
+) -> None:
+    model, tokenizer = model_and_tokenizer
+    name = method.partition("/")[0].replace("two-level", "kvm-fold")
+    doc = read(model, tokenizer, TEXT, name, config=method_config(method), progress=False, **CHUNKS)
+    doc.save(tmp_path / "read")
+    loaded = load(tmp_path / "read", model, tokenizer)
+    assert (loaded.settings, loaded.pending, loaded.tokens) == (
+        doc.settings,
+        doc.pending,
+        doc.tokens,
+    )
+    assert answers(loaded, QUESTIONS[:4]) == answers(doc, QUESTIONS[:4])
+    doc.save(tmp_path / "read")  # a second save replaces the first, leaving nothing beside it
+    assert [p.name for p in tmp_path.iterdir()] == ["read"]
+
+
+@pytest.fixture(scope="module")
+def saved_read(
+    model_and_tokenizer: tuple[Any, Any], tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    model, tokenizer = model_and_tokenizer
+    config = method_config("two-level/file")
+    doc = read(model, tokenizer, TEXT, "kvm-fold", config=config, progress=False, **CHUNKS)
+    return doc.save(tmp_path_factory.mktemp("saved") / "read")
+
+
+def damaged(saved: Path, tmp_path: Path) -> Path:
+    """A copy of the save to damage."""
+    copy = tmp_path / "copy"
+    subprocess.run(["cp", "-r", str(saved), str(copy)], check=True)
+    return copy
+
+
+def flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    ("damage", "said"),
+    [
+        (lambda d: flip_byte(d / TENSORS), f"{TENSORS} is corrupted (its checksum differs)"),
+        (lambda d: flip_byte(d / "leaves-0.bin"), "leaves-0.bin is corrupted"),
+        (lambda d: (d / STATE).write_bytes((d / STATE).read_bytes()[:-7]),
+         f"{STATE} is truncated or changed"),
+        (lambda d: (d / MANIFEST).unlink(), "no manifest.json, so not a saved read"),
+        (lambda d: (d / MANIFEST).write_text("{"), "manifest.json is corrupted"),
+        (lambda d: edit_manifest(d, longkv="0.0.1"), "saved by longkv 0.0.1, and this is"),
+        (lambda d: edit_manifest(d, format=99), "save format 99, and this longkv reads format 1"),
+    ],
+)  # fmt: skip
+def test_a_damaged_save_is_refused_in_one_line(
+    model_and_tokenizer: tuple[Any, Any], saved_read: Path, tmp_path: Path, damage: Any, said: str
+) -> None:
+    model, tokenizer = model_and_tokenizer
+    copy = damaged(saved_read, tmp_path)
+    load(copy, model, tokenizer)  # whole, it loads
+    damage(copy)
+    with pytest.raises(SavedReadError) as err:
+        load(copy, model, tokenizer)
+    assert said in str(err.value) and "\n" not in str(err.value), err.value
+
+
+def edit_manifest(folder: Path, **values: Any) -> None:
+    manifest = json.loads((folder / MANIFEST).read_text())
+    (folder / MANIFEST).write_text(json.dumps({**manifest, **values}))
+
+
+def test_another_models_or_tokenizers_save_is_refused(
+    model_and_tokenizer: tuple[Any, Any], saved_read: Path
+) -> None:
+    model, tokenizer = model_and_tokenizer
+    torch.manual_seed(1)
+    other = type(model)(model.config).double().eval()
+    with pytest.raises(SavedReadError, match=r"saved with model .* this model's weights differ"):
+        load(saved_read, other, tokenizer)
+    changed = gpt2_tokenizer()
+    changed.add_tokens(["<longkv-new>"])
+    with pytest.raises(SavedReadError, match="saved with another tokenizer than this one"):
+        load(saved_read, model, changed)
+
+
+def test_a_save_runs_no_code_of_its_own(
+    model_and_tokenizer: tuple[Any, Any], saved_read: Path, tmp_path: Path
+) -> None:
+    """A state.pkl naming a function outside longkv's classes is refused, checksums matching."""
+    model, tokenizer = model_and_tokenizer
+    copy = damaged(saved_read, tmp_path)
+    payload = pickle.dumps(os.system)
+    (copy / STATE).write_bytes(payload)
+    manifest = json.loads((copy / MANIFEST).read_text())
+    manifest["files"][STATE] = {
+        "bytes": len(payload),
+        "sha256": hashlib.sha256(payload).hexdigest(),
+    }
+    (copy / MANIFEST).write_text(json.dumps(manifest))
+    said = r"state.pkl cannot be read \(holds posix.system, which a read never holds\)"
+    with pytest.raises(SavedReadError, match=said):
+        load(copy, model, tokenizer)
+
+
+def test_empty_or_non_text_documents_and_empty_questions_are_refused(
+    model_and_tokenizer: tuple[Any, Any],
+) -> None:
+    model, tokenizer = model_and_tokenizer
+    for text, said in (("", "is empty"), (" \n", "is empty"), ("a\x00b", "not text")):
+        with pytest.raises(SettingError, match=said):
+            read(model, tokenizer, text, "fold", progress=False)
+    doc = read(model, tokenizer, TEXT, "fold", progress=False)
+    with pytest.raises(SettingError, match="question: is empty"):
+        doc.ask("  ")
+
+
+SAVER = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, {tests!r})
+    from test_document import CHUNKS, TEXT, method_config, tiny_model
+    from longkv.document import read
+    model, tokenizer = tiny_model()
+    doc = read(model, tokenizer, TEXT, "kvm-fold", config=method_config("two-level/file"),
+               progress=False, **CHUNKS)
+    print("ready", flush=True)
+    while True:
+        doc.save({target!r})
+    """
+)
+
+
+def test_a_save_killed_at_random_points_never_loads_as_valid(
+    model_and_tokenizer: tuple[Any, Any], saved_read: Path, tmp_path: Path
+) -> None:
+    """Saving over and over in a process killed at a random moment leaves at the target
+    either a whole save (which answers as the read) or nothing; a partial one never loads."""
+    model, tokenizer = model_and_tokenizer
+    expected = answers(load(saved_read, model, tokenizer), QUESTIONS[:2])
+    target = tmp_path / "read"
+    script = SAVER.format(tests=str(Path(__file__).parent), target=str(target))
+    rng = random.Random(0)
+    outcomes = set()
+    for _ in range(6):
+        proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        time.sleep(rng.uniform(0.0, 0.4))
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        try:
+            got = answers(load(target, model, tokenizer), QUESTIONS[:2])
+        except SavedReadError as err:
+            assert "no manifest.json" in str(err), err  # the moment between the two renames
+            outcomes.add("none")
+        else:
+            assert got == expected
+            outcomes.add("whole")
+    assert "whole" in outcomes
