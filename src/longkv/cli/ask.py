@@ -71,7 +71,7 @@ class DocumentOptions(BoundedOptions):
                     f"{self.file} is not text (not UTF-8: byte {byte:#04x} at {err.start})",
                 )  # fmt: skip
         name = "standard input" if self.file == "-" else self.file
-        with refused_as(self, "file", f"{name}: {{}}"):
+        with refused_as(self, "file", f"{name} {{}}"):
             check_document(text)
         return text
 

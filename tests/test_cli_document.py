@@ -1,0 +1,140 @@
+"""`longkv ask` with several questions, JSON lines and a saved read (`longkv read --save`,
+`ask --load`); documents that are not text refused naming --file; `import longkv` alone lets
+transformers' Auto classes load a saved longkv model.
+
+The model commands run on a tiny random Llama saved with the shared GPT-2 tokenizer."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from conftest import over_tokenizer, tiny_hf_config, tiny_longkv
+from longkv.cli.main import main
+from longkv.train.tokenizer import gpt2_tokenizer
+
+QUESTIONS = ["What is the word?", "Which word?", "Say the word."]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A folder with a 1-layer random Llama (2048 positions) and the GPT-2 tokenizer."""
+    folder = tmp_path_factory.mktemp("tiny")
+    torch.manual_seed(0)
+    config = tiny_hf_config(**over_tokenizer(gpt2_tokenizer()), max_position_embeddings=2048)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    gpt2_tokenizer().save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture
+def document(tmp_path: Path) -> Path:
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The word is heliotrope. It was said twice. " * 40)
+    return doc
+
+
+METHOD = ["--method", "kvm-fold", "--budgets", "64", "--kvm-open", "4", "--stream-chunk", "16"]
+
+
+def asked(*argv: str) -> list[str]:
+    return [a for q in QUESTIONS for a in ("--question", q)] + list(argv)
+
+
+def test_ask_answers_each_question_from_one_read_as_json_lines(
+    tiny_model: str, document: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = ["ask", "--model", tiny_model, "--file", str(document), "--max-new-tokens", "5"]
+    assert main([*base, *asked(*METHOD)]) == 0
+    out, err = capsys.readouterr()
+    assert err.count("tokens read by kvm-fold/fixed/open4@64 in ") == 1  # one read
+    assert [line.split(": ", 1)[1] for line in err.splitlines() if "question " in line] == QUESTIONS
+    text_answers = out.splitlines()
+    assert main([*base, *asked(*METHOD, "--json")]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [d["question"] for d in lines] == QUESTIONS
+    assert [d["answer"] for d in lines] == text_answers
+    assert all(
+        d["seconds"] >= d["first_token_seconds"] > 0 and 1 <= d["tokens"] <= 5 for d in lines
+    )
+
+
+def test_a_read_saved_by_longkv_read_answers_as_the_read_itself(
+    tiny_model: str, document: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = ["--model", tiny_model, "--file", str(document)]
+    assert main(["ask", *base, *asked(*METHOD, "--json", "--max-new-tokens", "5")]) == 0
+    direct = capsys.readouterr().out
+    save = tmp_path / "read"
+    assert main(["read", *base, *METHOD, "--save", str(save)]) == 0
+    assert f"saved to {save} in " in capsys.readouterr().err
+    assert main(["ask", "--load", str(save), *asked("--json", "--max-new-tokens", "5")]) == 0
+    out, err = capsys.readouterr()
+    assert "tokens read by kvm-fold/fixed/open4@64, loaded" in err
+    kept = [
+        [{k: v for k, v in json.loads(line).items() if "seconds" not in k} for line in lines]
+        for lines in (direct.splitlines(), out.splitlines())
+    ]
+    assert len(kept[0]) == len(QUESTIONS) and kept[0] == kept[1]
+    (save / "tensors.pt").write_bytes(b"")
+    assert main(["ask", "--load", str(save), "--question", "Q?"]) == 2
+    err = capsys.readouterr().err
+    assert "tensors.pt is truncated or changed (0 bytes" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("content", "said"),
+    [
+        (b"", "doc.bin is empty: there is nothing to read"),
+        (b"  \n\n", "doc.bin is empty: there is nothing to read"),
+        (b"GIF89a\x01\x00\xf0\x9f\x00\xff", "doc.bin is not text (not UTF-8: byte 0xf0 at 8)"),
+        (b"text\x00with NUL", "doc.bin holds NUL characters: it is not text"),
+    ],
+)
+def test_a_document_that_is_not_text_is_refused_naming_file(
+    tiny_model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], content: bytes, said: str
+) -> None:
+    doc = tmp_path / "doc.bin"
+    doc.write_bytes(content)
+    argv = ["ask", "--model", tiny_model, "--file", str(doc), "--question", "Q?"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"argument --file: {doc}" in err and said in err, err
+
+
+def test_ask_needs_a_document_or_a_saved_read_and_nonempty_questions(
+    tiny_model: str, document: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["ask", "--model", tiny_model, "--question", "Q?"]) == 2
+    assert "argument --file: give the document (--file) or a saved read" in capsys.readouterr().err
+    assert main(["ask", "--model", tiny_model, "--file", str(document), "--question", " "]) == 2
+    assert "argument --question: is empty" in capsys.readouterr().err
+
+
+LOAD = "print(type(AutoModelForCausalLM.from_pretrained(sys.argv[1])).__name__)"
+
+
+def test_import_longkv_alone_lets_auto_classes_load_a_saved_longkv_model(tmp_path: Path) -> None:
+    """Before transformers' Auto classes are imported, or after; without it, transformers asks
+    for remote code (so the test can tell)."""
+    tiny_longkv(["kvm"]).save_pretrained(tmp_path)
+    imports = {
+        "longkv first": "import longkv\nfrom transformers import AutoModelForCausalLM",
+        "auto first": "from transformers import AutoModelForCausalLM\nimport longkv",
+        "no longkv": "from transformers import AutoModelForCausalLM",
+    }
+    for case, lines in imports.items():
+        script = f"{lines}\nimport sys\n" + LOAD
+        run = subprocess.run(
+            [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True
+        )
+        if case == "no longkv":
+            assert run.returncode != 0 and "trust_remote_code" in run.stderr, run.stderr
+        else:
+            assert run.stdout.strip() == "LongKVForCausalLM", (case, run.stderr)
