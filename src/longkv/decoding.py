@@ -69,7 +69,8 @@ def decode(
     on_token: Callable[[Tensor], object] | None = None,
 ) -> Tensor:
     """New tokens (B, n <= max_new_tokens) continuing whatever `step` carries, each chosen by
-    `pick` (greedy, or a `Sampler`); on_token sees each step's tokens (B,) as they come.
+    `pick` (greedy, or a `Sampler`); on_token sees each step's tokens (B,) as they come, and
+    decoding stops after a step whose on_token returned True.
 
     logits: (B, V) after the last token fed. A row that emitted eos_token_id keeps emitting it;
     decoding stops when every row has. The last new token is never fed to `step`.
@@ -85,9 +86,8 @@ def decode(
                 nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
                 done |= nxt == eos_token_id
             tokens.append(nxt)
-            if on_token is not None:
-                on_token(nxt)
-            if i + 1 == max_new_tokens or bool(done.all()):
+            stop = on_token is not None and on_token(nxt) is True
+            if stop or i + 1 == max_new_tokens or bool(done.all()):
                 break
             logits = step(nxt[:, None])
     return torch.stack(tokens, dim=1)

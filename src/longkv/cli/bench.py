@@ -1,12 +1,15 @@
-"""`longkv bench kvm` and `longkv bench train`: options from their settings dataclasses."""
+"""`longkv bench kvm`, `bench train` and `bench document`: options from their settings
+dataclasses."""
 
 from __future__ import annotations
 
 import argparse
 
+from longkv.bench import document as bench_document
 from longkv.bench import kvm as bench_kvm
 from longkv.bench import train as bench_train
 from longkv.cli.args import HelpFormatter, command
+from longkv.cli.common import LoadOptions
 
 
 def configure(name: str, parser: argparse.ArgumentParser) -> None:
@@ -17,11 +20,13 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
          "prefill/decode time and peak memory: KVM vs BSWA vs full attention"),
         ("train", bench_train, bench_train.TrainBenchSettings, _run_bench_train,
          "training tokens/s of kvm fixed, kvm sqrt, bswa and full at each context"),
+        ("document", bench_document, bench_document.DocumentBenchSettings, _run_bench_document,
+         "a kept read against reading again (first-token seconds), saved and loaded"),
     ):  # fmt: skip
         sub = benches.add_parser(
             bench, help=help_text, description=module.__doc__, formatter_class=HelpFormatter
         )
-        command(sub, run, settings)
+        command(sub, run, *((LoadOptions,) if bench == "document" else ()), settings)
 
 
 def _run_bench_kvm(args: argparse.Namespace, argv: list[str]) -> int:
@@ -36,5 +41,15 @@ def _run_bench_train(args: argparse.Namespace, argv: list[str]) -> int:
     settings = args.settings[bench_train.TrainBenchSettings]
     report = bench_train.run(settings, argv)
     paths = bench_train.save(report, settings)
+    print(paths[1].read_text())
+    return 0
+
+
+def _run_bench_document(args: argparse.Namespace, argv: list[str]) -> int:
+    m = args.settings[LoadOptions]
+    settings = args.settings[bench_document.DocumentBenchSettings]
+    model, tokenizer = m.load(settings.dtype)
+    report = bench_document.run(model, tokenizer, settings, argv)
+    paths = bench_document.write_page(report, settings)
     print(paths[1].read_text())
     return 0

@@ -94,8 +94,11 @@ def read_settings(
     if config is None:
         ((label, config),) = BoundedOptions().bounded_configs((method,)).items()
     else:
-        opened = config.open if isinstance(config, KVMFoldConfig) else 0
-        label = f"{method}{f'/open{opened}' if opened else ''}@{config.budget}"
+        label = f"{method}@{config.budget}"
+        if isinstance(config, KVMFoldConfig):  # as the command line labels its runs
+            leaves = f"/{config.leaves}" if config.leaves != "exact" else ""
+            opened = f"/open{config.open}{leaves}" if config.open else ""
+            label = f"kvm-fold/{config.state}{opened}@{config.budget}"
     return ReadSettings(method, label, config, **settings)
 
 
@@ -118,6 +121,30 @@ class Answer:
             "question": self.question, "answer": self.text, "seconds": self.seconds,
             "first_token_seconds": self.first_token_seconds, "tokens": len(self.tokens),
         }  # fmt: skip
+
+
+class RepeatedLine:
+    """Watches an answer's tokens (B = 1) as they come: True, to stop decoding, once a finished
+    line repeats an earlier non-empty one; `cut` is then where that line starts in the text."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self.lines = 0  # finished lines seen
+        self.cut: int | None = None
+
+    def __call__(self, ids: torch.Tensor) -> bool:
+        self.tokens.append(int(ids[0]))
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        finished = text.split("\n")[:-1]
+        if len(finished) == self.lines:
+            return False
+        self.lines = len(finished)
+        last = finished[-1].strip()
+        if last and last in {line.strip() for line in finished[:-1]}:
+            self.cut = len("\n".join(finished[:-1]))
+            return True
+        return False
 
 
 @dataclass
@@ -152,10 +179,12 @@ class Document:
         *,
         pick: Pick = greedy,
         on_token: Any = None,
+        stop_at_repeat: bool = True,
         progress: bool = False,
     ) -> Answer:
         """Answer a question from the read, without changing it: greedy unless `pick` samples;
-        on_token sees each new token (B,) as it comes."""
+        on_token sees each new token (B,) as it comes; stop_at_repeat: stop at a line that
+        repeats an earlier one (left out of the answer's text)."""
         require(bool(question.strip()), None, "question", "is empty; ask something")
         require(max_new_tokens >= 1, None, "max_new_tokens", f"must be >= 1, got {max_new_tokens}")
         s, tok = self.settings, self.tokenizer
@@ -164,12 +193,14 @@ class Document:
         eos = getattr(tok, "eos_token_id", None)
         start = time.perf_counter()
         first: list[float] = []
+        repeated = RepeatedLine(tok)
 
-        def seen(token: torch.Tensor) -> None:
+        def seen(token: torch.Tensor) -> bool:
             if not first:
                 first.append(time.perf_counter() - start)
             if on_token is not None:
                 on_token(token)
+            return stop_at_repeat and repeated(token)
 
         runner = fork(self.runner)
         if isinstance(runner, FoldRunner):
@@ -185,9 +216,10 @@ class Document:
                 progress=progress, pick=pick, on_token=seen, desc=s.label,
             )  # fmt: skip
         tokens = [t for t in out[0].tolist() if t != eos]
+        text = tok.decode(tokens, skip_special_tokens=True)
         return Answer(
-            question, tok.decode(tokens, skip_special_tokens=True), tokens, first[0],
-            time.perf_counter() - start, ids.shape[1],
+            question, text[: repeated.cut].rstrip() if repeated.cut is not None else text, tokens,
+            first[0], time.perf_counter() - start, ids.shape[1],
         )  # fmt: skip
 
 

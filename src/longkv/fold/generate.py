@@ -21,7 +21,7 @@ def continue_decode(
     on_token: Callable[[Tensor], object] | None = None,
 ) -> Tensor:
     """Tokens (B, n <= max_new_tokens) continuing whatever `forward` carries, greedy unless
-    `pick` samples; on_token sees each step's tokens (B,) as they come.
+    `pick` samples; on_token sees each step's tokens (B,) as they come (True: stop after them).
 
     logits: (B, V) after the last token fed; forward: ids (B, 1) -> logits (B, 1, V); eos as in
     `longkv.decoding.decode`.
