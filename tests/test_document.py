@@ -262,3 +262,40 @@ def test_a_save_killed_at_random_points_never_loads_as_valid(
             assert got == expected
             outcomes.add("whole")
     assert "whole" in outcomes
+
+
+def test_every_qa_answer_is_in_the_document_and_scored_by_string_match() -> None:
+    from longkv.bench.qa import QUESTIONS, TEXT, correct, cut_at_repeat
+    from longkv.data.corpus import read_text
+
+    opening = read_text(TEXT)[:30000].lower()  # 7800 tokens hold over 30000 characters
+    assert len(QUESTIONS) >= 10
+    for question, accepted in QUESTIONS:
+        assert any(a in opening for a in accepted), question
+    assert correct("It is Mr. BINGLEY.", ("bingley",)) and not correct("Lucas Lodge", ("bingley",))
+    tokenizer = gpt2_tokenizer()
+    tokens = tokenizer("Kitty.\nThe answer is:\nThe answer is:\nLongbourn")["input_ids"]
+    text, used = cut_at_repeat(tokenizer, tokens)
+    assert text == "Kitty.\nThe answer is:" and tokenizer.decode(tokens[:used]).endswith("is:\n")
+
+
+def test_bench_document_sets_a_kept_read_against_a_fresh_one(
+    model_and_tokenizer: tuple[Any, Any], tmp_path: Path
+) -> None:
+    from longkv.bench import document as bench
+
+    model, tokenizer = model_and_tokenizer
+    s = bench.DocumentBenchSettings(
+        tokens=400, methods=("fold", "streaming", "two-level"), leaves=("exact", "file"),
+        budget=128, kvm_open=4, chunk_size=128, stream_chunk=16, max_new_tokens=4,
+        out_dir=str(tmp_path),
+    )  # fmt: skip
+    report = bench.run(model, tokenizer, s, [])
+    runs = {r["run"]: r for r in report["runs"]}
+    assert list(runs) == ["fold", "streaming", "two-level/exact", "two-level/file"]
+    assert all(r["equal_to_fresh"] and r["speedup"] > 0 for r in report["runs"] if "fresh" in r)
+    assert "fresh" not in runs["two-level/file"] and all(r["loaded_equal"] for r in runs.values())
+    assert runs["streaming"]["pending_tokens"] == runs["streaming"]["document_tokens"] % 16
+    paths = bench.write_page(report, s)
+    assert [p.suffix for p in paths] == [".json", ".md", ".png"]
+    assert "| kvm-fold/fixed/open4/file@128 |" in paths[1].read_text()

@@ -222,7 +222,7 @@ def write_page(report: dict[str, Any], s: DocumentBenchSettings) -> list[Path]:
             "<>>>>>>>>>>",
         ),
         "",
-        *(f'- {r["label"]}: "{r["kept"]["answer"]}"' for r in report["runs"]),
+        *(f'- {r["label"]}: "{" ".join(r["kept"]["answer"].split())}"' for r in report["runs"]),
     ]
     out = Path(s.out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,5 @@
-"""`longkv bench kvm`, `bench train` and `bench document`: options from their settings
-dataclasses."""
+"""`longkv bench kvm`, `bench train`, `bench document` and `bench qa`: options from their
+settings dataclasses."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import argparse
 
 from longkv.bench import document as bench_document
 from longkv.bench import kvm as bench_kvm
+from longkv.bench import qa as bench_qa
 from longkv.bench import train as bench_train
 from longkv.cli.args import HelpFormatter, command
 from longkv.cli.common import LoadOptions
@@ -22,11 +23,13 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
          "training tokens/s of kvm fixed, kvm sqrt, bswa and full at each context"),
         ("document", bench_document, bench_document.DocumentBenchSettings, _run_bench_document,
          "a kept read against reading again (first-token seconds), saved and loaded"),
+        ("qa", bench_qa, bench_qa.QABenchSettings, _run_bench_qa,
+         "questions about a shipped novel, by method and prompt, scored by string match"),
     ):  # fmt: skip
         sub = benches.add_parser(
             bench, help=help_text, description=module.__doc__, formatter_class=HelpFormatter
         )
-        command(sub, run, *((LoadOptions,) if bench == "document" else ()), settings)
+        command(sub, run, *((LoadOptions,) if bench in ("document", "qa") else ()), settings)
 
 
 def _run_bench_kvm(args: argparse.Namespace, argv: list[str]) -> int:
@@ -51,5 +54,13 @@ def _run_bench_document(args: argparse.Namespace, argv: list[str]) -> int:
     model, tokenizer = m.load(settings.dtype)
     report = bench_document.run(model, tokenizer, settings, argv)
     paths = bench_document.write_page(report, settings)
+    print(paths[1].read_text())
+    return 0
+
+
+def _run_bench_qa(args: argparse.Namespace, argv: list[str]) -> int:
+    m, settings = args.settings[LoadOptions], args.settings[bench_qa.QABenchSettings]
+    model, tokenizer = m.load(settings.dtype)
+    paths = bench_qa.write_page(bench_qa.run(model, tokenizer, settings, argv), settings)
     print(paths[1].read_text())
     return 0
