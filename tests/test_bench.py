@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import tiny_hf
+from longkv.bench import memory
 from longkv.bench.compare import compare_methods, step_seconds
 from longkv.bench.kvm import METHODS, BenchSettings
 from longkv.bench.memory import cpu_peak_supported, peak_memory
@@ -94,6 +95,25 @@ def test_peak_memory_sees_a_temporary_allocation() -> None:
     assert peak is not None and 150e6 < peak < 400e6
     _, small = peak_memory(lambda: None, torch.device("cpu"))
     assert small is not None and small < 50e6
+
+
+@pytest.mark.skipif(not cpu_peak_supported(), reason="needs Linux /proc/self/clear_refs")
+def test_peak_memory_counts_what_the_call_keeps_when_the_resident_set_does_not_rise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under memory pressure the kernel reclaims pages while the call runs, and the resident
+    set may end no higher than it began: the live heap bytes still see what the call kept."""
+    kept: list[torch.Tensor] = []
+
+    def allocate() -> None:
+        kept.append(torch.ones(4_000_000))  # 16 MB, kept
+
+    monkeypatch.setattr(memory, "_status_bytes", lambda key: 2**30)  # resident: flat
+    _, peak = peak_memory(allocate, torch.device("cpu"))
+    assert peak is not None and 15e6 < peak < 20e6
+    monkeypatch.setattr(memory, "_live_heap_bytes", lambda: None)  # no mallinfo2: resident only
+    _, peak = peak_memory(allocate, torch.device("cpu"))
+    assert peak == 0
 
 
 @pytest.mark.skipif(not cpu_peak_supported(), reason="needs Linux /proc/self/clear_refs")

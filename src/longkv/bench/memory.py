@@ -80,6 +80,40 @@ def keep_freed_heap(keep: bool = True) -> bool:
     return ok
 
 
+class _MallInfo2(ctypes.Structure):
+    """glibc's `struct mallinfo2` (glibc >= 2.33): ten size_t counters."""
+
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                     "uordblks", "fordblks", "keepcost")
+    ]  # fmt: skip
+
+
+def _live_heap_bytes() -> int | None:
+    """Bytes glibc's malloc has handed out and not had back, over every arena: in heap chunks
+    (uordblks) and in mapped blocks (hblkhd); None without mallinfo2."""
+    mallinfo2 = _libc_function("mallinfo2")
+    if mallinfo2 is None:
+        return None
+    mallinfo2.restype = _MallInfo2
+    info = mallinfo2()
+    return int(info.uordblks + info.hblkhd)
+
+
+class _LiveHeapPeak:
+    """The largest rise of `_live_heap_bytes` above `base`, over the samples taken."""
+
+    def __init__(self) -> None:
+        self.base = _live_heap_bytes()
+        self.rise = 0
+
+    def sample(self) -> None:
+        now = _live_heap_bytes()
+        if now is not None and self.base is not None:
+            self.rise = max(self.rise, now - self.base)
+
+
 def cpu_peak_supported() -> bool:
     """Linux lets a process reset its RSS high-water mark (clear_refs value 5)."""
     try:
@@ -106,12 +140,19 @@ def load_weights(module: torch.nn.Module) -> None:
 def peak_memory(fn: Callable[[], R], device: torch.device) -> tuple[R, int | None]:
     """Run fn and return (its result, peak bytes allocated above the level before the call).
 
-    CUDA: torch.cuda.max_memory_allocated. CPU: the rise of the resident-set high-water mark
-    (VmHWM, reset first, free heap returned first and again every 5 ms while fn runs,
-    `_trim_until`); None where it cannot be measured. On CPU the process's threads share one
-    allocator arena from the first call on (`_share_one_arena`), and Python's cyclic garbage
-    is collected before the call and not during it: a collection inside fn frees what earlier
-    work left in reference cycles (hundreds of MiB after a model run) and would hide fn's rise.
+    CUDA: torch.cuda.max_memory_allocated. CPU: the larger of two rises. The rise of the
+    resident-set high-water mark (VmHWM, reset first, free heap returned first and again every
+    5 ms while fn runs, `_trim_until`) sees every page fn touched, but a rise of the resident
+    set is not a peak: under memory pressure the kernel takes the process's file pages (its
+    libraries' code) and swaps anonymous ones while fn runs, and the set can end no higher than
+    it began although fn allocated and kept memory. The largest rise of the bytes glibc's
+    malloc has handed out (`_live_heap_bytes`, sampled with every trim and once fn returns)
+    does not depend on what is resident: it cannot read 0 for an fn that keeps what it
+    allocated (a training step's gradients, a fold's cache). None where neither can be read.
+    On CPU the process's threads share one allocator arena from the first call on
+    (`_share_one_arena`), and Python's cyclic garbage is collected before the call and not
+    during it: a collection inside fn frees what earlier work left in reference cycles
+    (hundreds of MiB after a model run) and would hide fn's rise.
     When the process keeps freed heap (`keep_freed_heap`, the benchmarks), glibc maps each large
     block on its own for the call, so the rise follows live memory; otherwise its trim and mmap
     thresholds are left alone and the rise may include memory it keeps for reuse.
@@ -127,22 +168,25 @@ def peak_memory(fn: Callable[[], R], device: torch.device) -> tuple[R, int | Non
         return fn(), None
     kept, collecting = _heap_kept, gc.isenabled()
     done = threading.Event()
-    trimmer = threading.Thread(target=_trim_until, args=(done,), daemon=True)
+    trimmer: threading.Thread | None = None
     try:
         if kept:
             keep_freed_heap(False)
         _share_one_arena()
         gc.collect()
         gc.disable()
+        live = _LiveHeapPeak()
+        trimmer = threading.Thread(target=_trim_until, args=(done, live), daemon=True)
         trimmer.start()
         _release_free_heap()
         _CLEAR_REFS.write_text("5")
         before = _status_bytes("VmRSS")
         result = fn()
-        return result, max(0, _status_bytes("VmHWM") - before)
+        live.sample()
+        return result, max(0, _status_bytes("VmHWM") - before, live.rise)
     finally:
         done.set()
-        if trimmer.is_alive():
+        if trimmer is not None and trimmer.is_alive():
             trimmer.join()
         if collecting:
             gc.enable()
@@ -150,12 +194,14 @@ def peak_memory(fn: Callable[[], R], device: torch.device) -> tuple[R, int | Non
             keep_freed_heap(True)
 
 
-def _trim_until(done: threading.Event, every_s: float = 0.005) -> None:
-    """Return freed heap pages to the OS every `every_s` seconds until `done` is set.
+def _trim_until(done: threading.Event, live: _LiveHeapPeak, every_s: float = 0.005) -> None:
+    """Return freed heap pages to the OS (and sample the live heap bytes, `live`) every
+    `every_s` seconds until `done` is set.
 
     glibc serves a request from the free chunks an earlier call left in its heap before it maps
     new memory, and a freed chunk's pages stay resident until a trim; without this the
     high-water mark counts every page of that free pool the call touched, not what it held.
     """
     while not done.wait(every_s):
+        live.sample()
         _release_free_heap()
