@@ -129,6 +129,11 @@ def test_import_longkv_alone_lets_auto_classes_load_a_saved_longkv_model(tmp_pat
         "auto first": "from transformers import AutoModelForCausalLM\nimport longkv",
         "no longkv": "from transformers import AutoModelForCausalLM",
     }
+    heavy = "print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    alone = subprocess.run(
+        [sys.executable, "-c", f"import sys, longkv; {heavy}"], capture_output=True, text=True
+    )
+    assert alone.stdout.strip() == "[]", alone.stderr  # import longkv alone imports neither
     for case, lines in imports.items():
         script = f"{lines}\nimport sys\n" + LOAD
         run = subprocess.run(

@@ -61,6 +61,11 @@ def test_decode_shows_each_token_as_it_comes() -> None:
     seen: list[list[int]] = []
     out = decode(lambda ids: logits, logits, 4, on_token=lambda t: seen.append(t.tolist()))
     assert seen == out.T.tolist()
+    steps: list[int] = []
+    out = decode(
+        lambda ids: steps.append(1) or logits, logits, 9, on_token=lambda t: len(steps) == 2
+    )
+    assert out.shape == (2, 3) and len(steps) == 2  # on_token's True stops after its tokens
 
 
 @pytest.mark.parametrize(

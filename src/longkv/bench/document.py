@@ -29,7 +29,7 @@ from longkv.caches.methods import BoundedOptions, make_runner, read_and_answer
 from longkv.checks import require, require_at_least, require_known, setting
 from longkv.data.corpus import read_text
 from longkv.document.prompt import document_ids, prompt_ids
-from longkv.document.read import Document, read_ids, read_settings
+from longkv.document.read import METHODS, Document, read_ids, read_settings
 from longkv.document.save import load, save
 from longkv.dtypes import DTYPES
 from longkv.results import (
@@ -40,9 +40,8 @@ from longkv.results import (
     provenance,
     pyplot,
     write_report,
-)  # fmt: skip
+)
 
-METHODS = ("full", "fold", "streaming", "snapkv", "kvm-fold", "quest", "infllm", "two-level")
 LEAVES = ("exact", "int8", "file")
 
 

@@ -112,6 +112,9 @@ class AskOptions(DocumentOptions):
         "settings are the save's",
     )  # fmt: skip
     max_new_tokens: int = setting(128, "answer tokens at most")
+    stop_at_repeat: bool = setting(
+        True, "stop an answer at a line that repeats an earlier one (printed once)"
+    )
     sample: bool = setting(False, "sample instead of greedy")
     temperature: float = setting(1.0, "sampling temperature")
     top_k: int | None = setting(None, "sample from the k likeliest (default: all)")
@@ -215,7 +218,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         if len(o.question) > 1 and not o.json:
             print(f"question {i + 1} of {len(o.question)}: {question}", file=sys.stderr)
         printer = None if o.json else Printer(doc.tokenizer, eos)
-        answer: Answer = doc.ask(question, o.max_new_tokens, pick=o.pick(), on_token=printer)
+        answer: Answer = doc.ask(
+            question, o.max_new_tokens, pick=o.pick(), on_token=printer,
+            stop_at_repeat=o.stop_at_repeat,
+        )  # fmt: skip
         print(json.dumps(answer.as_json()) if o.json else "", flush=True)
     return 0
 

@@ -189,7 +189,7 @@ class Document:
         require(max_new_tokens >= 1, None, "max_new_tokens", f"must be >= 1, got {max_new_tokens}")
         s, tok = self.settings, self.tokenizer
         ids = torch.tensor([self.pending + question_ids(tok, question, s.chat)])
-        ids = ids.to(next(self.model.parameters()).device)
+        ids = ids.to(self.model.get_input_embeddings().weight.device)
         eos = getattr(tok, "eos_token_id", None)
         start = time.perf_counter()
         first: list[float] = []
@@ -259,7 +259,7 @@ def read_ids(
     """`read` of the document part's token ids under settings s."""
     T = len(ids)
     what = f"the document ({s.label})"
-    tensor = torch.tensor([ids], device=next(model.parameters()).device)
+    tensor = torch.tensor([ids], device=model.get_input_embeddings().weight.device)
     start = time.perf_counter()
     if s.config is None:
         check_positions(model, T, what, allow_extrapolation=s.allow_extrapolation)
