@@ -53,7 +53,7 @@ class DocumentBenchSettings:
     tokens: int = setting(
         7800,
         "tokens of the novel the document holds (with the template, question and answer, "
-        "within the default model's 8192 positions)",
+        "within SmolLM2's 8192 positions)",
     )
     questions: tuple[str, ...] = setting(
         ("Who has taken Netherfield Park?", "How old is Charlotte Lucas?"),
