@@ -120,7 +120,8 @@ def test_every_option_has_help_and_shows_its_default_once(command: str) -> None:
             assert action.help, f"longkv {name} {action.option_strings or action.dest}: no help"
             shown = formatter._expand_help(action)
             assert shown.count("default") <= 1, f"longkv {name}: {shown!r}"
-            if action.default is not None and action.nargs != 0 and not action.required:
+            assert "(default: )" not in shown, f"longkv {name}: {shown!r} shows an empty default"
+            if action.default not in (None, (), []) and action.nargs != 0 and not action.required:
                 assert "default" in shown, f"longkv {name}: {shown!r} hides its default"
         assert parser.format_help()
 

@@ -29,8 +29,9 @@ DECLARED = "declared"  # the Namespace attribute holding the chosen command's De
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Every option's default once, after its help; none where the help already says it.
 
-    A None default means "not set" and a switch's default is its absence, so neither is shown;
-    an option with a None default says in its help what happens then.
+    A None default means "not set", an empty list "none", and a switch's default is its
+    absence, so none of them is shown (nor the default of a required option, which is never
+    taken); an option with such a default says in its help what happens then.
     """
 
     def _get_help_string(self, action: argparse.Action) -> str:
@@ -41,6 +42,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
             or "%(default)" in text
             or default is None
             or default is argparse.SUPPRESS
+            or action.required
+            or default in ((), [])
             or (action.nargs == 0 and default is False)
         ):
             return text

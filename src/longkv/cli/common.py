@@ -71,7 +71,7 @@ def niah_records_setting() -> Any:
         "result files of `longkv niah` runs whose answers to runs and cells of this grid are "
         "reused (a grid split over processes, or grown; a run that reads an option set otherwise, "
         "such as the fold at another chunk size, answers again); their commands are listed on "
-        "the page",
+        "the page (none by default)",
     )
 
 

@@ -35,7 +35,9 @@ class RunOptions:
 
     config: str | None = setting(None, "YAML run file, e.g. configs/tiny_kvm.yaml", required=True)
     overrides: tuple[str, ...] = setting(
-        (), "key=value entries over the run's, e.g. train.steps=10", positional=True
+        (),
+        "key=value entries over the run's, e.g. train.steps=10 (none: the run as written)",
+        positional=True,
     )
 
 
