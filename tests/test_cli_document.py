@@ -143,3 +143,12 @@ def test_import_longkv_alone_lets_auto_classes_load_a_saved_longkv_model(tmp_pat
             assert run.returncode != 0 and "trust_remote_code" in run.stderr, run.stderr
         else:
             assert run.stdout.strip() == "LongKVForCausalLM", (case, run.stderr)
+
+
+def test_ask_and_read_offer_only_the_options_of_one_method_run() -> None:
+    from longkv.cli.main import build_parser
+
+    for command in ("ask", "read"):
+        parser = build_parser(command)._subparsers._group_actions[0].choices[command]  # type: ignore[union-attr]
+        text = " ".join(parser.format_help().split())
+        assert "--only" not in text and "(one budget;" in text and "(one value;" in text

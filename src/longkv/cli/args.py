@@ -97,10 +97,14 @@ def declared(parser: argparse.ArgumentParser) -> Declared:
 
 
 def add_settings(parser: argparse.ArgumentParser, cls: type) -> None:
-    """One option per field of the settings dataclass cls (see the module docstring)."""
+    """One option per field of the settings dataclass cls (see the module docstring), but the
+    fields it names in its class attribute `omitted` (inherited settings its command does not
+    use: they keep their defaults)."""
     hints = typing.get_type_hints(cls)
     spec = declared(parser)
     for f in fields(cls):
+        if f.name in getattr(cls, "omitted", ()):
+            continue
         owner = f"{cls.__name__}.{f.name}"
         help_text = f.metadata.get("help")
         if not help_text or f.default is MISSING:

@@ -11,10 +11,13 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
+from longkv.caches.bounded import BoundedConfig
+from longkv.caches.kvm_fold import STATES, KVMFoldConfig
+from longkv.caches.leaves import LEAF_STORES
 from longkv.caches.methods import CACHE_METHODS, BoundedOptions, keeps_positions
 from longkv.caches.retrieval import check_exact_positions
 from longkv.checks import refused_as, require, require_at_least, setting
@@ -29,8 +32,31 @@ from longkv.fold.fold import CLI_SWITCH, check_positions
 
 @dataclass(frozen=True)
 class DocumentOptions(BoundedOptions):
-    """The document and how the model reads it (`ask` and `read`)."""
+    """The document and how the model reads it (`ask` and `read`): one method run, so the
+    options that make several take one value each, and there is no --only."""
 
+    omitted: ClassVar[tuple[str, ...]] = ("only",)
+    budgets: tuple[int, ...] = setting(
+        (1024,),
+        "entries per layer and KV head of the bounded method (one budget; the leaves of "
+        "two-level kvm-fold, quest and infllm outside it)",
+        feeds=(BoundedConfig, "budget"),
+    )
+    kvm_states: tuple[str, ...] = setting(
+        ("fixed",), "kvm-fold: its state budget (one)", choices=STATES,
+        feeds=(KVMFoldConfig, "state"),
+    )  # fmt: skip
+    kvm_open: tuple[int, ...] = setting(
+        (0,),
+        "kvm-fold: two-level KVM-Fold: slots each query head opens to the exact tokens they "
+        "own (one value; 0: the coarse state alone)",
+        feeds=(KVMFoldConfig, "open"),
+    )
+    kvm_leaves: tuple[str, ...] = setting(
+        ("exact",), "kvm-fold: two-level KVM-Fold: the store of the tokens that left the "
+        "window (one: exact, int8 or file)", choices=LEAF_STORES,
+        feeds=(KVMFoldConfig, "leaves"),
+    )  # fmt: skip
     file: str | None = setting(None, "the document: a text file, or - for standard input")
     method: str = setting(
         "fold",
@@ -51,7 +77,7 @@ class DocumentOptions(BoundedOptions):
         require(
             len(runs) == 1, self, "budgets",
             f"a document is read with one method run; these options make {runs}: give one "
-            "budget, one --kvm-states and one --kvm-open",
+            "budget, one --kvm-states, one --kvm-open and one --kvm-leaves",
         )  # fmt: skip
 
     def document(self) -> str:
