@@ -200,6 +200,21 @@ def test_a_bad_value_is_refused_naming_its_option(
     assert "Settings" not in err and "Options" not in err  # no dataclass names
 
 
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["niah", "--lengths", "-4096"], "argument --lengths: must be >= 1, got -4096"),
+        (["niah", "--depths", "0.5", "2"], "argument --depths: must lie in [0, 1], got 0.5 2.0"),
+    ],
+)
+def test_a_refusal_shows_values_as_the_user_typed_them(
+    argv: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert said in err and "(" not in err.splitlines()[-1].split(": ", 2)[-1], err
+
+
 def test_results_go_to_the_untracked_folder_by_default() -> None:
     assert OUT_DIR != "results" and not (ROOT / OUT_DIR).resolve().is_relative_to(ROOT / "results")
     assert f"{OUT_DIR}/" in (ROOT / ".gitignore").read_text().split()

@@ -98,11 +98,16 @@ def require(ok: bool, owner: object, name: str, message: str) -> None:
         refuse(owner, name, message)
 
 
+def typed(value: Any) -> str:
+    """A value as the command line takes it: the items of a tuple or list space-separated."""
+    return " ".join(map(str, value)) if isinstance(value, tuple | list) else str(value)
+
+
 def require_known(owner: object, name: str, values: Iterable[Any], allowed: Sequence[Any]) -> None:
     """Refuse setting `name` of owner unless every value is one of allowed; the message names
     the unknown values and the allowed ones, in allowed's order."""
     unknown = sorted(set(values) - set(allowed))
-    require(not unknown, owner, name, f"unknown {unknown}; choose from {list(allowed)}")
+    require(not unknown, owner, name, f"unknown {typed(unknown)}; choose from {typed(allowed)}")
 
 
 def require_at_least(bound: float, owner: object, *names: str) -> None:
@@ -111,7 +116,7 @@ def require_at_least(bound: float, owner: object, *names: str) -> None:
     for name in names:
         value = getattr(owner, name)
         low = min(value) if isinstance(value, tuple) else value
-        require(low >= bound, owner, name, f"must be >= {bound}, got {value!r}")
+        require(low >= bound, owner, name, f"must be >= {bound}, got {typed(value)}")
 
 
 def require_known_keys(name: str, values: dict[str, Any], known: Iterable[str]) -> None:

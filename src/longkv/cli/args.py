@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, TypeVar
 
-from longkv.checks import SettingError
+from longkv.checks import SettingError, typed
 
 S = TypeVar("S")
 Command = Callable[[argparse.Namespace, list[str]], int]  # (parsed options, argv) -> exit status
@@ -51,9 +51,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 def shown(value: Any) -> str:
-    """A default as it is typed on the command line (lists space-separated), %-escaped."""
-    text = " ".join(map(str, value)) if isinstance(value, list | tuple) else str(value)
-    return text.replace("%", "%%")
+    """A default as it is typed on the command line (`typed`), %-escaped."""
+    return typed(value).replace("%", "%%")
 
 
 @dataclass

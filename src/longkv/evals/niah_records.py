@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from longkv.caches.methods import CACHE_METHODS, BoundedOptions
-from longkv.checks import require, require_at_least, require_known, setting
+from longkv.checks import require, require_at_least, require_known, setting, typed
 from longkv.evals.niah import TASKS
 from longkv.fold.variants import VARIANT_HELP, VARIANTS, require_variants
 from longkv.results import write_atomic
@@ -61,7 +61,7 @@ class NiahSettings(BoundedOptions):
             all(0 <= d <= 1 for d in self.depths),
             self,
             "depths",
-            f"must lie in [0, 1], got {self.depths}",
+            f"must lie in [0, 1], got {typed(self.depths)}",
         )
         self.bounded_configs(self.methods)
 
