@@ -65,7 +65,7 @@ def test_bad_settings_are_refused() -> None:
         NiahSettings(lengths=(4096, 0))
     with pytest.raises(ValueError, match=r"NiahSettings\.depths: must lie in \[0, 1\]"):
         NiahSettings(depths=(0.5, 1.5))
-    with pytest.raises(ValueError, match=r"exact_up_to: 2048 is below every length \(4096,\)"):
+    with pytest.raises(ValueError, match=r"exact_up_to: 2048 is below every length 4096:"):
         NiahSettings(lengths=(4096,), exact_up_to=2048)
     assert NiahSettings(lengths=(4096,), methods=("streaming",), exact_up_to=2048).keys == [
         ("niah_single_2", 4096, d, 0, "streaming@1024") for d in (0.1, 0.5, 0.9)
@@ -111,3 +111,16 @@ def test_the_heatmap_names_model_and_method_with_labels_readable_on_their_cells(
     assert ax.get_title() == "niah_single_1 / full"
     labels = {t.get_text(): t.get_color() for t in ax.texts}
     assert labels == {"100": "white", "0": "white", "50": "black"}  # the 2048 / 0.8 cell: none
+
+
+def test_a_budget_that_holds_every_token_is_refused_or_reported() -> None:
+    with pytest.raises(ValueError, match=r"budgets: 8192 holds every token of the longest"):
+        NiahSettings(lengths=(4096,), methods=("streaming",), budgets=(8192,))
+    s = NiahSettings(lengths=(1024, 4096), methods=("streaming",), budgets=(1024, 2048))
+    assert s.whole_budgets() == [
+        "budget 1024 holds every token at lengths 1024: the bounded runs answer there as the "
+        "fold does",
+        "budget 2048 holds every token at lengths 1024: the bounded runs answer there as the "
+        "fold does",
+    ]
+    assert NiahSettings(lengths=(4096,), methods=("full",), budgets=(8192,)).whole_budgets() == []

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -58,6 +59,8 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     m, o = args.settings[ModelOptions], args.settings[BoundedStudyOptions]
     s = args.settings[NiahSettings]
+    for line in s.whole_budgets():
+        print(line, file=sys.stderr)
     model, tokenizer = m.load(o.dtype)
     check_grid(model, s, m.allow_extrapolation)
     require(

@@ -6,6 +6,7 @@ accuracy table, whether the fold answered as full attention did, and the heatmap
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +40,8 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     m, o = args.settings[ModelOptions], args.settings[NiahOptions]
     settings = args.settings[NiahSettings]
+    for line in settings.whole_budgets():
+        print(line, file=sys.stderr)
     model, tokenizer = m.load(o.dtype)
     reused, sources = reused_answers(o.niah_records, settings)
     stem = Path(m.out_dir) / o.name

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from longkv.caches.methods import CACHE_METHODS, BoundedOptions
+from longkv.caches.methods import BOUNDED, CACHE_METHODS, BoundedOptions
 from longkv.checks import require, require_at_least, require_known, setting, typed
 from longkv.evals.niah import TASKS
 from longkv.fold.variants import VARIANT_HELP, VARIANTS, require_variants
@@ -53,8 +53,8 @@ class NiahSettings(BoundedOptions):
         require(
             not EXACT & set(self.methods) or min(self.lengths) <= self.exact_or_any,
             self, "exact_up_to",
-            f"{self.exact_up_to} is below every length {self.lengths}: full attention and the "
-            "fold would answer nothing; raise it or drop them from --methods",
+            f"{self.exact_up_to} is below every length {typed(self.lengths)}: full attention "
+            "and the fold would answer nothing; raise it or drop them from --methods",
         )  # fmt: skip
         require_variants(self, "variant", self.variant)
         require(
@@ -64,6 +64,27 @@ class NiahSettings(BoundedOptions):
             f"must lie in [0, 1], got {typed(self.depths)}",
         )
         self.bounded_configs(self.methods)
+        bounded = [m for m in self.methods if m in BOUNDED]
+        n = max(self.lengths)
+        whole = [b for b in self.budgets if b >= n]
+        require(
+            not bounded or not whole, self, "budgets",
+            f"{typed(whole)} holds every token of the longest samples ({n} tokens): "
+            f"{bounded[0] if bounded else ''} would keep them all and answer as the fold does; "
+            f"give budgets below {n}",
+        )  # fmt: skip
+
+    def whole_budgets(self) -> list[str]:
+        """One line per budget that holds every token of some lengths (not all: those are
+        refused), whose bounded runs there answer as the fold does."""
+        if not set(BOUNDED) & set(self.methods):
+            return []
+        return [
+            f"budget {b} holds every token at lengths {typed(short)}: the bounded runs answer "
+            "there as the fold does"
+            for b in self.budgets
+            if (short := [n for n in self.lengths if n <= b])
+        ]
 
     @property
     def cells(self) -> list[tuple[str, int, float, int]]:
