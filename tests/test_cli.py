@@ -713,7 +713,7 @@ def test_an_interrupted_drift_grid_resumes_and_a_grown_one_runs_only_what_is_new
 @pytest.mark.parametrize(
     ("argv", "said"),
     [
-        (["niah"], "the answers given so far are in the result file; resume with: longkv niah"),
+        (["niah"], "nothing kept; rerun: longkv niah"),  # interrupted before an answer
         (["bounded"], "(.nll.json, .niah.json); resume with: longkv bounded"),
         (["drift"], "the finished folds are beside the page (.runs.json); resume with: longkv"),
         (["fold"], "nothing kept; rerun: longkv fold"),
@@ -968,3 +968,31 @@ def test_exact_up_to_keeps_full_attention_to_the_lengths_it_can_read(
     assert "| method | seconds per 1K at 200 | seconds per 1K at 700 | 700 / 200 |" in per_1k
     seconds = {n: r["seconds"] for n in nll for r in nll[n]["runs"] if r["method"] == "full"}
     assert f"| full | {seconds['200'] * 1024 / 200:.2f} | - | n/a |" in per_1k
+
+
+def test_an_interrupted_niah_says_what_it_saved_and_the_resumed_run_what_it_reused(
+    tiny_model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    argv = [
+        "niah", "--model", tiny_model, "--lengths", "256", "--depths", "0.5", "--methods",
+        "full", "fold", "--max-new-tokens", "2", "--out-dir", str(tmp_path),
+    ]  # fmt: skip
+    answer, calls = niah_run.answer, []
+
+    def interrupted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return answer(*args, **kwargs)
+
+    monkeypatch.setattr(niah_run, "answer", interrupted)
+    assert main(argv) == 130
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last == (
+        f"longkv niah: interrupted; 1 answer saved in {tmp_path / 'niah_demo.json'}; resume "
+        f"with: longkv {' '.join(argv)}"
+    )
+    monkeypatch.setattr(niah_run, "answer", answer)
+    assert main(argv) == 0
+    assert "niah, 1 of 2 answers reused: " in capsys.readouterr().err

@@ -134,13 +134,16 @@ def add_settings(parser: argparse.ArgumentParser, cls: type) -> None:
     spec.classes.append(cls)
 
 
+Kept = str | Callable[[argparse.Namespace], str | None] | None
+
+
 def command(
-    parser: argparse.ArgumentParser, run: Command, *classes: type, kept: str | None = None
+    parser: argparse.ArgumentParser, run: Command, *classes: type, kept: Kept = None
 ) -> None:
     """Make parser the command that runs `run(args, argv)` on the settings of classes: their
     fields become its options (`add_settings`), built into `args.settings` before it runs.
-    kept: what an interrupted run keeps, for the one line Ctrl-C prints (None: nothing, the
-    command starts over)."""
+    kept: what an interrupted run keeps, for the one line Ctrl-C prints: a phrase, or a function
+    of the parsed options that says what is kept now (None: nothing, the command starts over)."""
     for cls in classes:
         add_settings(parser, cls)
     parser.set_defaults(func=run, kept=kept)

@@ -11,6 +11,8 @@ import importlib
 import shlex
 import sys
 
+from tqdm import tqdm
+
 from longkv.checks import SettingError
 from longkv.cli.args import DECLARED, HelpFormatter, build_settings, declared
 
@@ -97,7 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # one line: what was kept, and the command that goes on
         again = shlex.join(["longkv", *argv])
         kept = getattr(args, "kept", None)
+        if callable(kept):
+            kept = kept(args) if hasattr(args, "settings") else None
         said = f"{kept}; resume with: {again}" if kept else f"nothing kept; rerun: {again}"
+        for bar in list(getattr(tqdm, "_instances", ())):  # the line is not glued to a bar's
+            bar.close()
         print(f"longkv {args.command}: interrupted; {said}", file=sys.stderr)
         return 130
 

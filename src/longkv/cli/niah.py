@@ -15,7 +15,7 @@ from longkv.cli.args import command
 from longkv.cli.common import ModelOptions, dtype_setting, niah_records_setting
 from longkv.evals.niah_records import NiahSettings
 from longkv.evals.niah_report import accuracy_table, verdict, write_niah_page
-from longkv.evals.niah_resume import reused_answers
+from longkv.evals.niah_resume import reused_answers, saved_records
 from longkv.evals.niah_run import run_niah
 from longkv.results import provenance
 
@@ -33,8 +33,16 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
     """The options of `niah`; its defaults are the short demonstration `make run` shows."""
     command(
         parser, run, ModelOptions, NiahOptions, NiahSettings,
-        kept="the answers given so far are in the result file",
+        kept=saved_answers,
     )  # fmt: skip
+
+
+def saved_answers(args: argparse.Namespace) -> str | None:
+    """How many answers of this grid the result file holds (None: none)."""
+    m, o = args.settings[ModelOptions], args.settings[NiahOptions]
+    path = Path(m.out_dir) / f"{o.name}.json"
+    n = len(saved_records(path, args.settings[NiahSettings]))
+    return f"{n} answer{'s' if n > 1 else ''} saved in {path}" if n else None
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:

@@ -104,7 +104,8 @@ def run_niah(
     check_grid(model, s, allow_extrapolation)
     samples = build_samples(tokenizer, [c for c in todo if todo[c]], corpus_dir)
     eos = getattr(tokenizer, "eos_token_id", None)
-    progress = tqdm(total=sum(map(len, todo.values())), desc="niah", unit="answer")
+    reused = f", {len(done)} of {len(keys)} answers reused" if done else ""
+    progress = tqdm(total=sum(map(len, todo.values())), desc=f"niah{reused}", unit="answer")
     for (task, n, d, seed), sample in samples.items():
         ids = torch.tensor([sample.input_ids], device=model.get_input_embeddings().weight.device)
         span = answer_span(tokenizer, sample)
