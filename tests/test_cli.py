@@ -996,3 +996,18 @@ def test_an_interrupted_niah_says_what_it_saved_and_the_resumed_run_what_it_reus
     monkeypatch.setattr(niah_run, "answer", answer)
     assert main(argv) == 0
     assert "niah, 1 of 2 answers reused: " in capsys.readouterr().err
+
+
+def test_niah_prints_what_its_scores_are_before_the_table(
+    tiny_model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [
+        "niah", "--model", tiny_model, "--lengths", "256", "--depths", "0.25", "0.75",
+        "--methods", "full", "--max-new-tokens", "2", "--out-dir", str(tmp_path),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    caption = "string_match_all (0-100: the share of a sample's answers found in the reply)"
+    assert caption in out and "the mean over depths 0.25, 0.75:" in out
+    assert out.index(caption) < out.index("| task | method |")
+    assert caption in (tmp_path / "niah_demo.md").read_text()

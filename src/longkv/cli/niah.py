@@ -14,7 +14,12 @@ from longkv.checks import setting
 from longkv.cli.args import command
 from longkv.cli.common import ModelOptions, dtype_setting, niah_records_setting
 from longkv.evals.niah_records import NiahSettings
-from longkv.evals.niah_report import accuracy_table, verdict, write_niah_page
+from longkv.evals.niah_report import (
+    accuracy_caption,
+    accuracy_table,
+    verdict,
+    write_niah_page,
+)
 from longkv.evals.niah_resume import reused_answers, saved_records
 from longkv.evals.niah_run import run_niah
 from longkv.results import provenance
@@ -58,7 +63,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         model, tokenizer, settings, stem.with_suffix(".json"), prov, m.corpus_dir,
         m.allow_extrapolation, reused,
     )  # fmt: skip
-    print("\n".join([accuracy_table(result), *verdict(result.records)]))
+    print(
+        "\n".join([accuracy_caption(result), "", accuracy_table(result), *verdict(result.records)])
+    )
     paths = write_niah_page(result, stem, f"longkv niah: {m.model}, {o.dtype}", prov, sources)
     print("wrote " + ", ".join(map(str, paths)))
     return 0

@@ -38,6 +38,15 @@ def accuracy_table(run: NiahRun) -> str:
     return "\n".join(lines) + "\n"
 
 
+def accuracy_caption(run: NiahRun) -> str:
+    """What `accuracy_table`'s cells are: the score, and the depths it is a mean over."""
+    depths = ", ".join(map(str, run.settings.depths))
+    return (
+        "string_match_all (0-100: the share of a sample's answers found in the reply) per task, "
+        f"method and context length, the mean over depths {depths}:"
+    )
+
+
 def label_colour(score: float) -> str:
     """The colour of a score's label on its heatmap cell (RdYlGn, 0-100): white on the dark
     red and green ends, black on the light middle."""
@@ -165,8 +174,7 @@ def write_niah_page(
         f"- {methods_line(run.settings)}",
         *(sources or []),
         "",
-        "string_match_all (0-100) per task, method and context length, over depths "
-        f"{list(run.settings.depths)}:",
+        accuracy_caption(run),
         "",
         accuracy_table(run),
         *said,
