@@ -990,12 +990,46 @@ def test_an_interrupted_niah_says_what_it_saved_and_the_resumed_run_what_it_reus
     assert main(argv) == 130
     last = capsys.readouterr().err.splitlines()[-1]
     assert last == (
-        f"longkv niah: interrupted; 1 answer saved in {tmp_path / 'niah_demo.json'}; resume "
-        f"with: longkv {' '.join(argv)}"
+        f"longkv niah: interrupted; 1 answer saved in {tmp_path / 'niah_demo.answers.json'}; "
+        f"resume with: longkv {' '.join(argv)}"
     )
     monkeypatch.setattr(niah_run, "answer", answer)
     assert main(argv) == 0
     assert "niah, 1 of 2 answers reused: " in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "niah_demo.json", "niah_demo.md", "niah_demo.png",
+    ]  # fmt: skip
+
+
+def test_a_niah_run_never_replaces_another_runs_page(
+    tiny_model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """A run of other settings refuses the name of a page it would replace; an interrupted run
+    leaves the last whole run's page (json, md, png) as it was."""
+    argv = [
+        "niah", "--model", tiny_model, "--lengths", "256", "--depths", "0.5", "--methods",
+        "full", "fold", "--max-new-tokens", "2", "--out-dir", str(tmp_path),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    page = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    other = [*argv[:-5], "--methods", "fold", *argv[-4:]]
+    assert main(other) == 2
+    err = capsys.readouterr().err
+    assert "argument --name: " in err and "holds a run of other settings (methods differ)" in err
+    assert main([*other, "--name", "fold_run"]) == 0
+    capsys.readouterr()
+    answer, calls = niah_run.answer, []
+
+    def interrupted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return answer(*args, **kwargs)
+
+    monkeypatch.setattr(niah_run, "answer", interrupted)
+    assert main(argv) == 130  # the same settings again, interrupted after one answer
+    assert {name: (tmp_path / name).read_bytes() for name in page} == page
 
 
 def test_niah_prints_what_its_scores_are_before_the_table(

@@ -12,8 +12,10 @@ import json
 import os
 import platform
 import shlex
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -79,6 +81,30 @@ def replaced_atomically(path: Path) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
         raise
     tmp.replace(path)
+
+
+@contextmanager
+def replaced_together(paths: Sequence[Path]) -> Iterator[list[Path]]:
+    """Temporary paths beside `paths`, renamed onto them one after another when the block ends
+    without error, with Ctrl-C held back meanwhile (on the main thread): a page's files (json,
+    md, png) are all the new ones or all the old ones, never a mix an interrupt left."""
+    tmps = [path.with_name(path.name + ".tmp") for path in paths]
+    for path in paths:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        yield tmps
+    except BaseException:
+        for tmp in tmps:
+            tmp.unlink(missing_ok=True)
+        raise
+    main = threading.current_thread() is threading.main_thread()
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if main else None
+    try:
+        for tmp, path in zip(tmps, paths, strict=True):
+            tmp.replace(path)
+    finally:
+        if held is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def follow_umask(path: Path) -> None:

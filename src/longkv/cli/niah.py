@@ -6,11 +6,12 @@ accuracy table, whether the fold answered as full attention did, and the heatmap
 from __future__ import annotations
 
 import argparse
+import json
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from longkv.checks import setting
+from longkv.checks import require, setting
 from longkv.cli.args import command
 from longkv.cli.common import ModelOptions, dtype_setting, niah_records_setting
 from longkv.evals.niah_records import NiahSettings
@@ -20,7 +21,7 @@ from longkv.evals.niah_report import (
     verdict,
     write_niah_page,
 )
-from longkv.evals.niah_resume import reused_answers, saved_records
+from longkv.evals.niah_resume import reused_answers, saved_records, saved_settings
 from longkv.evals.niah_run import run_niah
 from longkv.results import provenance
 
@@ -42,30 +43,54 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def answers_path(m: ModelOptions, o: NiahOptions) -> Path:
+    """Where a run keeps its answers as it gives them, beside its page (removed once the page
+    is written): an interrupted run resumes from it, and the page's files stay the last whole
+    run's until this one ends."""
+    return Path(m.out_dir) / f"{o.name}.answers.json"
+
+
 def saved_answers(args: argparse.Namespace) -> str | None:
-    """How many answers of this grid the result file holds (None: none)."""
-    m, o = args.settings[ModelOptions], args.settings[NiahOptions]
-    path = Path(m.out_dir) / f"{o.name}.json"
+    """How many answers of this grid the run has kept (None: none)."""
+    path = answers_path(args.settings[ModelOptions], args.settings[NiahOptions])
     n = len(saved_records(path, args.settings[NiahSettings]))
     return f"{n} answer{'s' if n > 1 else ''} saved in {path}" if n else None
+
+
+def check_own(path: Path, o: NiahOptions, settings: NiahSettings) -> None:
+    """Refuse --name where a file of it holds a run of other settings, which this run would
+    replace."""
+    if not path.is_file():
+        return
+    theirs = saved_settings(json.loads(path.read_text()))
+    ours = json.loads(json.dumps(asdict(settings)))
+    differ = sorted(k for k in ours if theirs.get(k) != ours[k])
+    require(
+        not differ, o, "name",
+        f"{path} holds a run of other settings ({', '.join(differ)} differ); pass another "
+        "--name to write beside it, or remove it",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     m, o = args.settings[ModelOptions], args.settings[NiahOptions]
     settings = args.settings[NiahSettings]
+    for path in (Path(m.out_dir) / f"{o.name}.json", answers_path(m, o)):
+        check_own(path, o, settings)
     for line in settings.whole_budgets():
         print(line, file=sys.stderr)
     model, tokenizer = m.load(o.dtype)
     reused, sources = reused_answers(o.niah_records, settings)
     stem = Path(m.out_dir) / o.name
+    partial = answers_path(m, o)
     prov = provenance(argv)
     result = run_niah(
-        model, tokenizer, settings, stem.with_suffix(".json"), prov, m.corpus_dir,
-        m.allow_extrapolation, reused,
-    )  # fmt: skip
+        model, tokenizer, settings, partial, prov, m.corpus_dir, m.allow_extrapolation, reused
+    )
     print(
         "\n".join([accuracy_caption(result), "", accuracy_table(result), *verdict(result.records)])
     )
     paths = write_niah_page(result, stem, f"longkv niah: {m.model}, {o.dtype}", prov, sources)
+    partial.unlink()
     print("wrote " + ", ".join(map(str, paths)))
     return 0

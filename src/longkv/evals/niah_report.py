@@ -19,7 +19,13 @@ from longkv.evals.niah_records import (
     mean_scores,
 )
 from longkv.fold.variants import VARIANTS
-from longkv.results import markdown_table, provenance_lines, pyplot, save_figure, write_atomic
+from longkv.results import (
+    markdown_table,
+    provenance_lines,
+    pyplot,
+    replaced_together,
+    save_figure,
+)
 
 
 def accuracy_table(run: NiahRun) -> str:
@@ -163,9 +169,9 @@ def methods_line(s: NiahSettings) -> str:
 def write_niah_page(
     run: NiahRun, stem: Path, title: str, prov: dict[str, Any], sources: list[str] | None = None
 ) -> list[Path]:
-    """stem.md (the methods, where reused answers came from (`sources`, lines), the accuracy
-    table, the fold's verdict) and stem.png (the heatmap) beside the run's stem.json; returns
-    the three paths."""
+    """stem.json (the run), stem.md (the methods, where reused answers came from (`sources`,
+    lines), the accuracy table, the fold's verdict) and stem.png (the heatmap), replaced
+    together (`replaced_together`); returns the three paths."""
     said = verdict(run.records)
     page = [
         f"# {title}",
@@ -181,6 +187,9 @@ def write_niah_page(
         *([""] if said else []),
         f"![heatmap]({stem.name}.png)",
     ]
-    write_atomic(stem.with_suffix(".md"), "\n".join(page) + "\n")
-    heatmap(run, stem.with_suffix(".png"), title)
-    return [stem.with_suffix(suffix) for suffix in (".json", ".md", ".png")]
+    paths = [stem.with_suffix(suffix) for suffix in (".json", ".md", ".png")]
+    with replaced_together(paths) as (json_tmp, md_tmp, png_tmp):
+        run.save(json_tmp)
+        md_tmp.write_text("\n".join(page) + "\n")
+        heatmap(run, png_tmp, title)
+    return paths
