@@ -299,3 +299,12 @@ def test_bench_document_sets_a_kept_read_against_a_fresh_one(
     paths = bench.write_page(report, s)
     assert [p.suffix for p in paths] == [".json", ".md", ".png"]
     assert "| kvm-fold/fixed/open4/file@128 |" in paths[1].read_text()
+
+
+def test_the_package_gives_read_and_load() -> None:
+    import longkv
+    import longkv.document.save
+
+    assert longkv.read is read and longkv.load is longkv.document.save.load
+    with pytest.raises(AttributeError, match="has no attribute 'reed'"):
+        longkv.reed  # noqa: B018
