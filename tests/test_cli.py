@@ -378,10 +378,10 @@ def test_bounded_compares_every_bounded_run_on_one_page(
         "niah", "--model", tiny_model, "--tasks", "passkey", "--lengths", "300", "--depths",
         "0.5", "--methods", "kvm-fold", "--budgets", "64", "128", "--kvm-states", "fixed",
         "sqrt", "--stream-chunk", "16", "--max-new-tokens", "2", "--out-dir",
-        str(tmp_path / "x"), "--name", "b",
+        str(tmp_path / "x"), "--name", "b_niah",  # not b: the bounded page beside it
     ]  # fmt: skip
     assert main(niah) == 0
-    other = tmp_path / "x" / "b.json"
+    other = tmp_path / "x" / "b_niah.json"
     elsewhere = json.loads(other.read_text())["records"]
     data = json.loads(other.read_text())
     data["settings"]["max_new_tokens"] = 5  # every answer reads it

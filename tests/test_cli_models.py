@@ -38,7 +38,7 @@ def test_niah_runs_a_saved_longkv_model(
     argv = [
         "niah", "--model", str(longkv_dir), "--tasks", "passkey", "--lengths", "300",
         "--depths", "0.5", "--chunk-size", "64", "--max-new-tokens", "4", "--dtype", "fp64",
-        "--out-dir", str(tmp_path), "--name", "n",
+        "--out-dir", str(tmp_path), "--name", "n", "--budgets", "128",
     ]  # fmt: skip
     assert main(argv) == 2  # the default methods include streaming, refused before any answer
     err = capsys.readouterr().err  # after the weights' loading bar

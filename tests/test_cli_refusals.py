@@ -96,7 +96,8 @@ def argv_of(command: str, model: Path, tmp: Path, budget: int) -> tuple[list[str
         (tmp / "doc.txt").write_text("A short document.")
         args = ["--file", str(tmp / "doc.txt"), "--question", "What?", "--method", "streaming"]
         return ["ask", "--model", str(model), *args, *bounded[:4]], "--method"
-    needles = ["--tasks", "passkey", "--lengths", "200", "--depths", "0.5"]
+    # longer than the budget, which would otherwise hold every token and be refused for that
+    needles = ["--tasks", "passkey", "--lengths", str(max(200, 2 * budget)), "--depths", "0.5"]
     if command == "fold":
         args = ["--tokens", "128", "--methods", "streaming"]
     elif command == "niah":
