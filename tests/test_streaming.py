@@ -141,7 +141,7 @@ def test_the_sinks_stay_and_the_middle_leaves() -> None:
 def test_generation_continues_the_stream() -> None:
     model = tiny_llama()
     ids = torch.randint(0, V, (2, 30), generator=torch.Generator().manual_seed(3))
-    out = streaming_generate(model, ids, 5, sinks=2, window=8)
+    out = streaming_generate(model, ids, 5, sinks=2, window=8, chunk_size=1)
     assert out.shape == (2, 5)
     # the same tokens fed one by one through the stream give the same next-token choices
     run = streaming_llm(
@@ -149,6 +149,7 @@ def test_generation_continues_the_stream() -> None:
         torch.cat([ids, out[:, :-1]], 1),
         sinks=2,
         window=8,
+        chunk_size=1,
         return_logits=True,
     )
     assert run.logits is not None
