@@ -138,12 +138,18 @@ def save_partial(path: Path, settings: dict[str, Any], parts: dict[str, Any]) ->
     write_atomic(path, json.dumps({"settings": settings, "parts": parts}, indent=2))
 
 
-def write_report(stem: Path, title: str, payload: dict[str, Any], body: list[str]) -> list[Path]:
-    """<stem>.json (payload, holding "provenance") and <stem>.md (title, provenance, body)."""
+def report_texts(title: str, payload: dict[str, Any], body: list[str]) -> tuple[str, str]:
+    """The JSON (payload, holding "provenance") and the markdown page (title, provenance, body)
+    of a report."""
     page = [f"# {title}", "", *provenance_lines(payload["provenance"]), *body]
+    return json.dumps(payload, indent=2) + "\n", "\n".join(page) + "\n"
+
+
+def write_report(stem: Path, title: str, payload: dict[str, Any], body: list[str]) -> list[Path]:
+    """<stem>.json and <stem>.md (`report_texts`)."""
     paths = [stem.with_suffix(".json"), stem.with_suffix(".md")]
-    write_atomic(paths[0], json.dumps(payload, indent=2) + "\n")
-    write_atomic(paths[1], "\n".join(page) + "\n")
+    for path, text in zip(paths, report_texts(title, payload, body), strict=True):
+        write_atomic(path, text)
     return paths
 
 

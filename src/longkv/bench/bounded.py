@@ -24,8 +24,9 @@ from longkv.results import (
     load_partial,
     markdown_table,
     pyplot,
+    replaced_together,
+    report_texts,
     save_partial,
-    write_report,
 )
 
 FATES = ("exact", "founded", "merged", "dropped")
@@ -190,7 +191,8 @@ def write_bounded_page(
     """stem.{json,md,png}, stem_budget.png and stem_cost.png: the NLL reports by length, peak
     memory and the cache against length, the NLL gap against the entries attended, the needles,
     where kvm-fold put their answers, how the retrieval caches routed to them and which they
-    missed; payload (with the provenance) is the JSON. Returns the paths written."""
+    missed; payload (with the provenance) is the JSON. The five are replaced together
+    (`replaced_together`); returns their paths."""
     s = niah.settings
     body = [
         f"- {methods_line(s)}",
@@ -234,10 +236,13 @@ def write_bounded_page(
         "answer's tokens (as above, for that sample alone).",
         miss_rows(niah.records),
     )
-    paths = write_report(stem, title, payload, body)
-    heatmap(niah, stem.with_suffix(".png"), title)
-    budget = stem.parent / f"{stem.name}_budget.png"
-    budget_plot(niah, budget)
-    cost = stem.parent / f"{stem.name}_cost.png"
-    cost_plot(reports, cost, title)
-    return [*paths, stem.with_suffix(".png"), budget, cost]
+    paths = [stem.with_suffix(suffix) for suffix in (".json", ".md", ".png")]
+    paths += [stem.parent / f"{stem.name}_{plot}.png" for plot in ("budget", "cost")]
+    with replaced_together(paths) as (json_tmp, md_tmp, png_tmp, budget_tmp, cost_tmp):
+        json_text, md_text = report_texts(title, payload, body)
+        json_tmp.write_text(json_text)
+        md_tmp.write_text(md_text)
+        heatmap(niah, png_tmp, title)
+        budget_plot(niah, budget_tmp)
+        cost_plot(reports, cost_tmp, title)
+    return paths
