@@ -970,6 +970,19 @@ def test_exact_up_to_keeps_full_attention_to_the_lengths_it_can_read(
     assert f"| full | {seconds['200'] * 1024 / 200:.2f} | - | n/a |" in per_1k
 
 
+def interrupted_after(answer: Any, n: int) -> Any:
+    """niah_run.answer that gives n answers, then stops as Ctrl-C does."""
+    calls: list[int] = []
+
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) > n:
+            raise KeyboardInterrupt
+        return answer(*args, **kwargs)
+
+    return interrupted
+
+
 def test_an_interrupted_niah_says_what_it_saved_and_the_resumed_run_what_it_reused(
     tiny_model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
@@ -978,15 +991,8 @@ def test_an_interrupted_niah_says_what_it_saved_and_the_resumed_run_what_it_reus
         "niah", "--model", tiny_model, "--lengths", "256", "--depths", "0.5", "--methods",
         "full", "fold", "--max-new-tokens", "2", "--out-dir", str(tmp_path),
     ]  # fmt: skip
-    answer, calls = niah_run.answer, []
-
-    def interrupted(*args, **kwargs):  # type: ignore[no-untyped-def]
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return answer(*args, **kwargs)
-
-    monkeypatch.setattr(niah_run, "answer", interrupted)
+    answer = niah_run.answer
+    monkeypatch.setattr(niah_run, "answer", interrupted_after(answer, 1))
     assert main(argv) == 130
     last = capsys.readouterr().err.splitlines()[-1]
     assert last == (
@@ -1019,15 +1025,8 @@ def test_a_niah_run_never_replaces_another_runs_page(
     assert "argument --name: " in err and "holds a run of other settings (methods differ)" in err
     assert main([*other, "--name", "fold_run"]) == 0
     capsys.readouterr()
-    answer, calls = niah_run.answer, []
-
-    def interrupted(*args, **kwargs):  # type: ignore[no-untyped-def]
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return answer(*args, **kwargs)
-
-    monkeypatch.setattr(niah_run, "answer", interrupted)
+    answer = niah_run.answer
+    monkeypatch.setattr(niah_run, "answer", interrupted_after(answer, 1))
     assert main(argv) == 130  # the same settings again, interrupted after one answer
     assert {name: (tmp_path / name).read_bytes() for name in page} == page
 
