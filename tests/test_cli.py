@@ -1044,3 +1044,20 @@ def test_niah_prints_what_its_scores_are_before_the_table(
     assert caption in out and "the mean over depths 0.25, 0.75:" in out
     assert out.index(caption) < out.index("| task | method |")
     assert caption in (tmp_path / "niah_demo.md").read_text()
+
+
+def test_fold_and_bounded_never_replace_another_runs_page(
+    tiny_model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fold = ["fold", "--model", tiny_model, "--tokens", "64", "--chunk-size", "32",
+            "--out-dir", str(tmp_path)]  # fmt: skip
+    assert main(fold) == 0
+    page = (tmp_path / "fold_64.json").read_text()
+    assert main([*fold, "--chunk-size", "16"]) == 2
+    err = capsys.readouterr().err
+    assert "argument --name: " in err and "fold_64.json holds a run of other settings" in err
+    assert "(chunk_size differ)" in err and (tmp_path / "fold_64.json").read_text() == page
+    (tmp_path / "bounded.json").write_text(json.dumps({"settings": {"model": "other"}}))
+    bounded = ["bounded", "--model", tiny_model, "--out-dir", str(tmp_path)]
+    assert main(bounded) == 2
+    assert "bounded.json holds a run of other settings" in capsys.readouterr().err

@@ -16,7 +16,13 @@ from longkv.bench.bounded import bounded_nll, write_bounded_page
 from longkv.bench.compare import Timing, markdown_rows
 from longkv.checks import require, require_at_least, setting
 from longkv.cli.args import command
-from longkv.cli.common import ModelOptions, dtype_setting, niah_records_setting, require_positions
+from longkv.cli.common import (
+    ModelOptions,
+    dtype_setting,
+    niah_records_setting,
+    require_own_page,
+    require_positions,
+)
 from longkv.data.corpus import DEFAULT_TEXT
 from longkv.evals.niah_records import NiahSettings
 from longkv.evals.niah_report import accuracy_table
@@ -59,6 +65,11 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     m, o = args.settings[ModelOptions], args.settings[BoundedStudyOptions]
     s = args.settings[NiahSettings]
+    stem = Path(m.out_dir) / o.name
+    # what the results depend on (not where reused answers were read from)
+    options = {k: v for k, v in asdict(o).items() if k != "niah_records"}
+    settings = {**options, **asdict(s), "model": m.model}
+    require_own_page(stem.with_suffix(".json"), settings, o)
     for line in s.whole_budgets():
         print(line, file=sys.stderr)
     model, tokenizer = m.load(o.dtype)
@@ -72,12 +83,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     full = int(min(longest, s.exact_or_any))  # the longest NLL full attention reads
     require_positions(model, full, o, "nll_tokens", f"{full} tokens", m.allow_extrapolation)
     reused, sources = reused_answers(o.niah_records, s)
-    stem = Path(m.out_dir) / o.name
     stem.parent.mkdir(parents=True, exist_ok=True)
     prov = provenance(argv)
-    # what the results depend on (not where reused answers were read from)
-    options = {k: v for k, v in asdict(o).items() if k != "niah_records"}
-    settings = {**options, **asdict(s), "model": m.model}
     nll_path, niah_path = stem.with_suffix(".nll.json"), stem.with_suffix(".niah.json")
     ids = m.token_ids(model, tokenizer, longest, o.text)
     reports = bounded_nll(model, ids, s, o.nll_tokens, nll_path, settings, m.allow_extrapolation, o)

@@ -3,12 +3,15 @@ the positions a model can run."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from longkv.checks import refused_as, setting
+from longkv.checks import refused_as, require, setting
 from longkv.data.corpus import text_tokens
 from longkv.dtypes import DTYPES
 from longkv.fold.fold import CLI_SWITCH, check_positions
@@ -91,3 +94,26 @@ def require_positions(
         check_positions(
             model, needed, what, allow_extrapolation=allow_extrapolation, switch=CLI_SWITCH
         )
+
+
+def require_own_page(
+    path: Path,
+    settings: dict[str, Any],
+    owner: object,
+    saved: Callable[[dict[str, Any]], dict[str, Any]] = lambda data: data.get("settings", {}),
+) -> None:
+    """Refuse setting `name` of owner where the result file at path holds a run of other
+    settings (`saved` reads them from its JSON), which this run would replace."""
+    if not path.is_file():
+        return
+    try:
+        theirs = saved(json.loads(path.read_text()))
+    except ValueError:
+        theirs = {}
+    ours = json.loads(json.dumps(settings, default=str))
+    differ = sorted(k for k in {*ours, *theirs} if theirs.get(k) != ours.get(k))
+    require(
+        not differ, owner, "name",
+        f"{path} holds a run of other settings ({', '.join(differ) or 'unreadable'} differ); "
+        "pass another --name to write beside it, or remove it",
+    )  # fmt: skip

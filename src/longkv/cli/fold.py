@@ -10,7 +10,7 @@ from longkv.bench.compare import Timing, compare_methods, markdown_rows
 from longkv.caches.methods import CACHE_METHODS, BoundedOptions, describe_runs
 from longkv.checks import refused_as, require, require_at_least, setting
 from longkv.cli.args import command
-from longkv.cli.common import ModelOptions, dtype_setting, require_positions
+from longkv.cli.common import ModelOptions, dtype_setting, require_own_page, require_positions
 from longkv.data.corpus import DEFAULT_TEXT
 from longkv.dtypes import DTYPES
 from longkv.fold.drift import drift_table
@@ -97,6 +97,8 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
 
 def run_fold(args: argparse.Namespace, argv: list[str]) -> int:
     m, o = args.settings[ModelOptions], args.settings[FoldOptions]
+    stem = Path(m.out_dir) / (o.name or f"fold_{o.tokens}")
+    require_own_page(stem.with_suffix(".json"), {**asdict(m), **asdict(o)}, o)
     model, tokenizer = m.load(o.dtype)
     if "fold" in o.methods:
         with refused_as(o, "variant"):
@@ -115,7 +117,6 @@ def run_fold(args: argparse.Namespace, argv: list[str]) -> int:
         variant=o.variant, decode_tokens=o.decode_tokens,
     )  # fmt: skip
     report = {"provenance": provenance(argv), "settings": {**asdict(m), **asdict(o)}, **report}
-    stem = Path(m.out_dir) / (o.name or f"fold_{o.tokens}")
     title = f"longkv fold: {m.model}, {o.tokens} tokens of {o.text}, {o.dtype}"
     tables = markdown_rows(report)
     if bounded:

@@ -6,14 +6,18 @@ accuracy table, whether the fold answered as full attention did, and the heatmap
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from longkv.checks import require, setting
+from longkv.checks import setting
 from longkv.cli.args import command
-from longkv.cli.common import ModelOptions, dtype_setting, niah_records_setting
+from longkv.cli.common import (
+    ModelOptions,
+    dtype_setting,
+    niah_records_setting,
+    require_own_page,
+)
 from longkv.evals.niah_records import NiahSettings
 from longkv.evals.niah_report import (
     accuracy_caption,
@@ -57,26 +61,11 @@ def saved_answers(args: argparse.Namespace) -> str | None:
     return f"{n} answer{'s' if n > 1 else ''} saved in {path}" if n else None
 
 
-def check_own(path: Path, o: NiahOptions, settings: NiahSettings) -> None:
-    """Refuse --name where a file of it holds a run of other settings, which this run would
-    replace."""
-    if not path.is_file():
-        return
-    theirs = saved_settings(json.loads(path.read_text()))
-    ours = json.loads(json.dumps(asdict(settings)))
-    differ = sorted(k for k in ours if theirs.get(k) != ours[k])
-    require(
-        not differ, o, "name",
-        f"{path} holds a run of other settings ({', '.join(differ)} differ); pass another "
-        "--name to write beside it, or remove it",
-    )  # fmt: skip
-
-
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     m, o = args.settings[ModelOptions], args.settings[NiahOptions]
     settings = args.settings[NiahSettings]
     for path in (Path(m.out_dir) / f"{o.name}.json", answers_path(m, o)):
-        check_own(path, o, settings)
+        require_own_page(path, asdict(settings), o, saved_settings)
     for line in settings.whole_budgets():
         print(line, file=sys.stderr)
     model, tokenizer = m.load(o.dtype)
