@@ -281,3 +281,12 @@ def test_decoding_steps_take_turns():
     seconds = step_seconds({"full": stepper("full"), "quest": stepper("quest")}, ids)
     assert set(seconds) == {"full", "quest"} and all(s >= 0 for s in seconds.values())
     assert fed == [("full", 5), ("quest", 5), ("full", 6), ("quest", 6), ("full", 7), ("quest", 7)]
+
+
+def test_a_benchmark_never_replaces_another_runs_page(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "bench_kvm.json").write_text(json.dumps({"settings": {"lengths": [1]}}))
+    assert main(["bench", "kvm", "--lengths", "64", "--out-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "argument --name: " in err and "bench_kvm.json holds a run of other settings" in err

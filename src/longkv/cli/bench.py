@@ -4,13 +4,16 @@ settings dataclasses."""
 from __future__ import annotations
 
 import argparse
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
 
 from longkv.bench import document as bench_document
 from longkv.bench import kvm as bench_kvm
 from longkv.bench import qa as bench_qa
 from longkv.bench import train as bench_train
 from longkv.cli.args import HelpFormatter, command
-from longkv.cli.common import LoadOptions
+from longkv.cli.common import LoadOptions, require_own_page
 
 
 def configure(name: str, parser: argparse.ArgumentParser) -> None:
@@ -32,7 +35,13 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
         command(sub, run, *((LoadOptions,) if bench in ("document", "qa") else ()), settings)
 
 
+def own_page(settings: Any) -> None:
+    """Refuse --name where the benchmark's page holds a run of other settings."""
+    require_own_page(Path(settings.out_dir) / f"{settings.name}.json", asdict(settings), settings)
+
+
 def _run_bench_kvm(args: argparse.Namespace, argv: list[str]) -> int:
+    own_page(args.settings[bench_kvm.BenchSettings])
     result = bench_kvm.run(args.settings[bench_kvm.BenchSettings], argv)
     print(bench_kvm.table(result))
     paths = bench_kvm.save(result)
@@ -42,6 +51,7 @@ def _run_bench_kvm(args: argparse.Namespace, argv: list[str]) -> int:
 
 def _run_bench_train(args: argparse.Namespace, argv: list[str]) -> int:
     settings = args.settings[bench_train.TrainBenchSettings]
+    own_page(settings)
     report = bench_train.run(settings, argv)
     paths = bench_train.save(report, settings)
     print(paths[1].read_text())
@@ -51,6 +61,7 @@ def _run_bench_train(args: argparse.Namespace, argv: list[str]) -> int:
 def _run_bench_document(args: argparse.Namespace, argv: list[str]) -> int:
     m = args.settings[LoadOptions]
     settings = args.settings[bench_document.DocumentBenchSettings]
+    own_page(settings)
     model, tokenizer = m.load(settings.dtype)
     report = bench_document.run(model, tokenizer, settings, argv)
     paths = bench_document.write_page(report, settings)
@@ -60,6 +71,7 @@ def _run_bench_document(args: argparse.Namespace, argv: list[str]) -> int:
 
 def _run_bench_qa(args: argparse.Namespace, argv: list[str]) -> int:
     m, settings = args.settings[LoadOptions], args.settings[bench_qa.QABenchSettings]
+    own_page(settings)
     model, tokenizer = m.load(settings.dtype)
     paths = bench_qa.write_page(bench_qa.run(model, tokenizer, settings, argv), settings)
     print(paths[1].read_text())
