@@ -1061,3 +1061,15 @@ def test_fold_and_bounded_never_replace_another_runs_page(
     bounded = ["bounded", "--model", tiny_model, "--out-dir", str(tmp_path)]
     assert main(bounded) == 2
     assert "bounded.json holds a run of other settings" in capsys.readouterr().err
+
+
+def test_drift_grows_its_grid_but_never_replaces_another_runs_page(
+    tiny_model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = ["drift", "--model", tiny_model, "--tokens", "64", "--out-dir", str(tmp_path)]
+    page = {"settings": {"tokens": 64, "text": "other.txt", "chunk_sizes": [8]}}
+    (tmp_path / "drift_64.json").write_text(json.dumps(page))
+    assert main([*base, "--chunk-sizes", "16"]) == 2
+    err = capsys.readouterr().err
+    assert "argument --name: " in err and "drift_64.json holds a run of other settings" in err
+    assert "chunk_sizes" not in err.splitlines()[-1]  # a grid may grow: not a difference

@@ -130,6 +130,13 @@ def run_fold(args: argparse.Namespace, argv: list[str]) -> int:
 
 def run_drift(args: argparse.Namespace, argv: list[str]) -> int:
     m, o = args.settings[ModelOptions], args.settings[DriftOptions]
+    stem = Path(m.out_dir) / (o.name or f"drift_{o.tokens}")
+    grid = ("chunk_sizes", "dtypes", "variants", "name")  # a run may grow these
+    settings = {**asdict(m), **{k: v for k, v in asdict(o).items() if k not in grid}}
+    require_own_page(
+        stem.with_suffix(".json"), settings, o,
+        lambda data: {k: v for k, v in data.get("settings", {}).items() if k not in grid},
+    )  # fmt: skip
     model, tokenizer = m.load("fp32")
     runs, skipped = drift_runs(model, o.dtypes, o.chunk_sizes, o.variants, o)
     # the smallest chunk inserts the most
@@ -139,10 +146,7 @@ def run_drift(args: argparse.Namespace, argv: list[str]) -> int:
         m.allow_extrapolation,
     )  # fmt: skip
     ids = m.token_ids(model, tokenizer, o.tokens, o.text)
-    stem = Path(m.out_dir) / (o.name or f"drift_{o.tokens}")
     partial = stem.with_suffix(".runs.json")
-    grid = ("chunk_sizes", "dtypes", "variants", "name")
-    settings = {**asdict(m), **{k: v for k, v in asdict(o).items() if k not in grid}}
     results = drift_grid(model, ids, runs, partial, settings, m.allow_extrapolation)
     print(drift_table(results))
     payload = {"provenance": provenance(argv), "settings": {**asdict(m), **asdict(o)}}
