@@ -140,7 +140,7 @@ class BoundedOptions:
             "window",
             f"must be >= 1 (or unset: half the budget), got {self.window}",
         )
-        configs: dict[str, BoundedConfig] = {}
+        made: list[tuple[str, BoundedConfig]] = []  # (method, config), labelled below
         for budget in self.budgets:
             if "streaming" in methods:
                 require(
@@ -148,32 +148,30 @@ class BoundedOptions:
                     self, "budgets",
                     f"{budget} leaves no window for streaming beside {self.sinks} sinks",
                 )  # fmt: skip
-                configs[f"streaming@{budget}"] = BoundedConfig(
+                made.append(("streaming", BoundedConfig(
                     budget=budget, sinks=self.sinks, window=budget - self.sinks
-                )
+                )))  # fmt: skip
             if "snapkv" in methods:
-                configs[f"snapkv@{budget}"] = SnapKVConfig(
-                    budget=budget, sinks=self.sinks, window=self.window
+                made.append(
+                    ("snapkv", SnapKVConfig(budget=budget, sinks=self.sinks, window=self.window))
                 )
-            inside = "/inside" if self.positions == "inside" else ""
             if "quest" in methods:
-                configs[f"quest{inside}@{budget}"] = QuestConfig(
+                made.append(("quest", QuestConfig(
                     budget=budget, sinks=self.sinks, window=self.window, page=self.quest_page,
                     open=self.quest_open, routing=self.routing,
                     leaf_budget=self.leaf_budget or None, dense_layers=self.quest_dense_layers,
                     positions=self.positions,
-                )  # fmt: skip
+                )))  # fmt: skip
             if "infllm" in methods:
-                configs[f"infllm{inside}@{budget}"] = InfLLMConfig(
+                made.append(("infllm", InfLLMConfig(
                     budget=budget, sinks=self.sinks, window=self.window, block=self.infllm_block,
                     representatives=self.infllm_representatives, open=self.infllm_open,
                     positions=self.positions,
-                )  # fmt: skip
+                )))  # fmt: skip
             for state in self.kvm_states if "kvm-fold" in methods else ():
                 for k in self.kvm_open:
                     for leaves in self.kvm_leaves if k else ("exact",):  # coarse: no leaves
-                        label = f"kvm-fold/{state}{self.two_level_tag(k, leaves)}@{budget}"
-                        configs[label] = KVMFoldConfig(
+                        made.append(("kvm-fold", KVMFoldConfig(
                             budget=budget, sinks=self.sinks, window=self.window, state=state,
                             growth_factor=self.kvm_growth_factor, readout=self.kvm_readout,
                             count_bias=self.kvm_count_bias,
@@ -184,7 +182,8 @@ class BoundedOptions:
                             slot_key=self.kvm_slot_key if k else "rotated",  # coarse: not read
                             slot_score=self.kvm_slot_score if k else "mean",
                             positions=self.positions if k else "exact",
-                        )  # fmt: skip
+                        )))  # fmt: skip
+        configs = {config_label(method, config): config for method, config in made}
         known = [m for m in methods if m not in BOUNDED] + list(configs)
         unknown = [label for label in self.only if label not in known]
         require(
@@ -201,18 +200,6 @@ class BoundedOptions:
                 f"{self.stream_chunk} exceeds the window of {label} ({config.window_len} tokens)",
             )
         return configs
-
-    def two_level_tag(self, k: int, leaves: str) -> str:
-        """The label part of a kvm-fold run opening k slots with leaves stored as `leaves`: ""
-        (coarse), "/open8", with the options that differ from the default after it:
-        "/open8/int8/centred/box/inside"."""
-        if not k:
-            return ""
-        options = [leaves] if leaves != "exact" else []
-        options += [self.kvm_slot_key] if self.kvm_slot_key != "rotated" else []
-        options += [self.kvm_slot_score] if self.kvm_slot_score != "mean" else []
-        options += [self.positions] if self.positions != "exact" else []
-        return "/".join(["", f"open{k}", *options])
 
     def check_runs(
         self, model: nn.Module, methods: tuple[str, ...], field: str = "methods"
@@ -241,6 +228,31 @@ class BoundedOptions:
             elif not self.only or method in self.only:
                 out.append(method)
         return out
+
+
+def two_level_tag(k: int, leaves: str, slot_key: str, slot_score: str, positions: str) -> str:
+    """The label part of a kvm-fold run opening k slots: "" (coarse), "/open8", with the options
+    that differ from the default after it: "/open8/int8/centred/box/inside"."""
+    if not k:
+        return ""
+    options = [leaves] if leaves != "exact" else []
+    options += [slot_key] if slot_key != "rotated" else []
+    options += [slot_score] if slot_score != "mean" else []
+    options += [positions] if positions != "exact" else []
+    return "/".join(["", f"open{k}", *options])
+
+
+def config_label(method: str, config: BoundedConfig) -> str:
+    """A run's label from its config, as `BoundedOptions` labels the runs it makes:
+    "streaming@1024", "kvm-fold/sqrt/open8/int8@1024"; a retrieval run placing positions inside
+    says so ("quest/inside@1024")."""
+    if isinstance(config, KVMFoldConfig):
+        tag = two_level_tag(
+            config.open, config.leaves, config.slot_key, config.slot_score, config.positions
+        )
+        return f"kvm-fold/{config.state}{tag}@{config.budget}"
+    inside = "/inside" if places_inside(config) else ""
+    return f"{method}{inside}@{config.budget}"
 
 
 def split_label(label: str) -> tuple[str, int | None]:

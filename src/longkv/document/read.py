@@ -27,12 +27,18 @@ from torch import nn
 from longkv.caches.bounded import BoundedConfig, BoundedRunner, bounded_fold, bounded_generate
 from longkv.caches.fork import fork
 from longkv.caches.kvm_fold import KVMFoldConfig
-from longkv.caches.methods import BOUNDED, CACHE_METHODS, BoundedOptions, make_runner
+from longkv.caches.methods import (
+    BOUNDED,
+    CACHE_METHODS,
+    BoundedOptions,
+    config_label,
+    make_runner,
+)
 from longkv.caches.retrieval import RetrievalRunner, check_exact_positions
 from longkv.checks import require
 from longkv.decoding import Pick, greedy
 from longkv.document.prompt import document_ids, question_ids
-from longkv.fold.fold import FoldRunner, check_positions, kv_fold
+from longkv.fold.fold import FoldRunner, kv_fold
 from longkv.fold.generate import fold_generate
 
 # "two-level" reads as kvm-fold with slots opened (KVMFoldConfig.open), by default 8
@@ -94,11 +100,7 @@ def read_settings(
     if config is None:
         ((label, config),) = BoundedOptions().bounded_configs((method,)).items()
     else:
-        label = f"{method}@{config.budget}"
-        if isinstance(config, KVMFoldConfig):  # as the command line labels its runs
-            leaves = f"/{config.leaves}" if config.leaves != "exact" else ""
-            opened = f"/open{config.open}{leaves}" if config.open else ""
-            label = f"kvm-fold/{config.state}{opened}@{config.budget}"
+        label = config_label(method, config)
     return ReadSettings(method, label, config, **settings)
 
 
@@ -258,11 +260,9 @@ def read_ids(
 ) -> Document:
     """`read` of the document part's token ids under settings s."""
     T = len(ids)
-    what = f"the document ({s.label})"
     tensor = torch.tensor([ids], device=model.get_input_embeddings().weight.device)
     start = time.perf_counter()
-    if s.config is None:
-        check_positions(model, T, what, allow_extrapolation=s.allow_extrapolation)
+    if s.config is None:  # kv_fold refuses positions the model lacks
         chunk = T if s.method == "full" else s.chunk_size
         fold = kv_fold(
             model, tensor, chunk, score=False, allow_extrapolation=s.allow_extrapolation,
@@ -273,7 +273,7 @@ def read_ids(
     else:
         runner = make_runner(model, s.config)
         if isinstance(runner, RetrievalRunner) and not runner.inside:
-            check_exact_positions(model, T, what)
+            check_exact_positions(model, T, f"the document ({s.label})")
         whole = T // s.stream_chunk * s.stream_chunk
         if whole:
             bounded_fold(
