@@ -222,13 +222,9 @@ def read_document(m: LoadOptions, o: DocumentOptions, questions: tuple[str, ...]
     asked = max((len(question_ids(tokenizer, q, o.chat)) for q in questions), default=0)
     answer = o.max_new_tokens - 1 if isinstance(o, AskOptions) else 0  # the last is never read
     o.check_positions(model, s, len(ids) + asked + answer)
-    start = time.perf_counter()
     doc = read_ids(model, tokenizer, ids, s)
     doc.model_id = m.model
-    print(
-        f"{doc.tokens} tokens read by {s.label} in {time.perf_counter() - start:.1f} s",
-        file=sys.stderr,
-    )
+    print(f"{doc.tokens} tokens read by {s.label} in {doc.read_seconds:.1f} s", file=sys.stderr)
     return doc
 
 

@@ -121,9 +121,10 @@ class StateUnpickler(pickle.Unpickler):
         self.model, self.tensors = model, tensors
 
     def find_class(self, module: str, name: str) -> Any:
-        found = super().find_class(module, name) if module.split(".")[0] == "longkv" else None
-        if isinstance(found, type) or (module, name) in ALLOWED:
-            return super().find_class(module, name)
+        if (module, name) in ALLOWED or module.split(".")[0] == "longkv":
+            found = super().find_class(module, name)
+            if isinstance(found, type) or (module, name) in ALLOWED:
+                return found
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"holds {module}.{name}, which a read never holds")
@@ -192,8 +193,7 @@ def write_files(doc: Document, folder: Path) -> None:
             "fingerprint": model_fingerprint(doc.model),
         },
         "tokenizer": {"fingerprint": tokenizer_fingerprint(doc.tokenizer)},
-        "method": s.method, "label": s.label, "config": config,
-        "settings": {k: v for k, v in asdict(s).items() if k not in ("config",)},
+        "settings": {**asdict(s), "config": config},  # method, label, chunks, chat
         "tokens": doc.tokens, "pending": len(doc.pending), "files": files,
     }  # fmt: skip
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str) + "\n")
