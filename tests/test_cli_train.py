@@ -223,7 +223,12 @@ def test_compare_runs_scores_every_run_on_the_same_rows(
         assert main(["train", "--config", str(configs[-1])]) == 0
     argv = ["compare-runs", "--configs", *map(str, configs), "--out-dir", str(tmp_path)]
     assert main([*argv, "--batches", "3", "--name", "c"]) == 0
+    capsys.readouterr()
+    assert main([*argv, "--batches", "2", "--name", "c"]) == 2  # would replace another run's page
+    err = capsys.readouterr().err
+    assert "argument --name: " in err and "c.json holds a run of other settings (batches" in err
     report = json.loads((tmp_path / "c.json").read_text())
+    assert report["settings"] == {"configs": list(map(str, configs)), "batches": 3}
     full, kvm = report["runs"]
     assert (full["label"], kvm["label"]) == ("full", "kvm") and kvm["mixers"] == ["kvm", "kvm"]
     assert full["held_out_tokens"] == kvm["held_out_tokens"] == 3 * 2 * 32

@@ -137,3 +137,8 @@ def test_lm_eval_answers_as_the_model_itself_at_any_batch_size(
 def test_eval_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["eval", "--tasks", "x", "--include-path", str(tmp_path / "none")]) == 2
     assert "--include-path: " in capsys.readouterr().err
+    (tmp_path / "eval.json").write_text(json.dumps({"settings": {"tasks": ["y"]}}))
+    assert main(["eval", "--tasks", "x", "--out-dir", str(tmp_path)]) == 2  # another run's page
+    err = capsys.readouterr().err
+    assert "argument --name: " in err and "eval.json holds a run of other settings" in err
+    assert json.loads((tmp_path / "eval.json").read_text()) == {"settings": {"tasks": ["y"]}}

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
-from longkv.results import replaced_together
+from longkv.results import provenance, replaced_together, write_report
 
 
 def test_a_pages_files_are_all_new_or_all_old(tmp_path: Path) -> None:
@@ -24,3 +25,26 @@ def test_a_pages_files_are_all_new_or_all_old(tmp_path: Path) -> None:
             tmp.write_text("new")
     assert [p.read_text() for p in paths] == ["new"] * 3
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.json", "p.md", "p.png"]
+
+
+def test_a_report_interrupted_while_plotting_leaves_the_old_page(tmp_path: Path) -> None:
+    """write_report: json, md and the png its plot draws are replaced together."""
+    stem = tmp_path / "r"
+    paths = [stem.with_suffix(s) for s in (".json", ".md", ".png")]
+    for path in paths:
+        path.write_text("old")
+    payload = {"provenance": provenance([]), "x": 1}
+
+    def interrupted(png: Path) -> None:
+        png.write_text("new")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        write_report(stem, "t", payload, ["body"], interrupted)
+    assert [p.read_text() for p in paths] == ["old"] * 3
+    assert write_report(stem, "t", payload, ["body"], lambda png: png.write_text("png")) == paths
+    assert json.loads(paths[0].read_text())["x"] == 1 and "body" in paths[1].read_text()
+    assert paths[2].read_text() == "png"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.md", "r.png"]
+    without = write_report(tmp_path / "q", "t", payload, [])
+    assert without == [tmp_path / "q.json", tmp_path / "q.md"]

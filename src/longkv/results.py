@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -145,11 +145,21 @@ def report_texts(title: str, payload: dict[str, Any], body: list[str]) -> tuple[
     return json.dumps(payload, indent=2) + "\n", "\n".join(page) + "\n"
 
 
-def write_report(stem: Path, title: str, payload: dict[str, Any], body: list[str]) -> list[Path]:
-    """<stem>.json and <stem>.md (`report_texts`)."""
-    paths = [stem.with_suffix(".json"), stem.with_suffix(".md")]
-    for path, text in zip(paths, report_texts(title, payload, body), strict=True):
-        write_atomic(path, text)
+def write_report(
+    stem: Path,
+    title: str,
+    payload: dict[str, Any],
+    body: list[str],
+    plot: Callable[[Path], object] | None = None,
+) -> list[Path]:
+    """<stem>.json and <stem>.md (`report_texts`), and <stem>.png where `plot` draws one (at
+    the path it is given), replaced together (`replaced_together`)."""
+    paths = [stem.with_suffix(s) for s in (".json", ".md", *((".png",) if plot else ()))]
+    with replaced_together(paths) as tmps:
+        for tmp, text in zip(tmps, report_texts(title, payload, body), strict=False):
+            tmp.write_text(text)
+        if plot is not None:
+            plot(tmps[2])
     return paths
 
 

@@ -440,6 +440,6 @@ def save(r: BenchResult) -> list[Path]:
         "measurements": [asdict(m) for m in r.measurements],
         "ratios": r.ratios,
     }
-    paths = write_report(stem, "longkv bench kvm", payload, markdown_body(r))
-    plot(r, stem.with_suffix(".png"))
-    return [*paths, stem.with_suffix(".png")]
+    return write_report(
+        stem, "longkv bench kvm", payload, markdown_body(r), lambda png: plot(r, png)
+    )

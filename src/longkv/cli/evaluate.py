@@ -10,6 +10,7 @@ from typing import Any
 
 from longkv.checks import require, require_at_least, setting
 from longkv.cli.args import command
+from longkv.cli.common import require_own_page
 from longkv.models.pretrained import DEFAULT_MODEL, resolve_model
 from longkv.results import OUT_DIR, OUT_DIR_HELP, provenance, write_report
 
@@ -56,6 +57,8 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
 
 def run_eval(args: argparse.Namespace, argv: list[str]) -> int:
     o = args.settings[HarnessOptions]
+    stem = Path(o.out_dir) / o.name
+    require_own_page(stem.with_suffix(".json"), asdict(o), o)
     try:
         from longkv.evals.harness import run_harness
     except ImportError as err:
@@ -78,7 +81,6 @@ def run_eval(args: argparse.Namespace, argv: list[str]) -> int:
         "settings": asdict(o),
         **json.loads(json.dumps(found, default=handle_non_serializable)),
     }
-    stem = Path(o.out_dir) / o.name
     stem.parent.mkdir(parents=True, exist_ok=True)
     paths = write_report(stem, f"lm-eval: {', '.join(o.tasks)}", payload, ["", table])
     print(table)

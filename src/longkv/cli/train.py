@@ -17,6 +17,7 @@ import torch
 
 from longkv.checks import require_at_least, setting
 from longkv.cli.args import HelpFormatter, command
+from longkv.cli.common import require_own_page
 from longkv.data.corpus import read_document
 from longkv.models.pretrained import load_model, resolve_model
 from longkv.results import OUT_DIR, OUT_DIR_HELP
@@ -200,7 +201,9 @@ def run_tokenizer_train(args: argparse.Namespace, argv: list[str]) -> int:
 
 def run_compare(args: argparse.Namespace, argv: list[str]) -> int:
     o = args.settings[CompareOptions]
-    table, paths = compare_runs(list(o.configs), o.batches, Path(o.out_dir) / o.name, argv)
+    stem = Path(o.out_dir) / o.name
+    require_own_page(stem.with_suffix(".json"), {"configs": o.configs, "batches": o.batches}, o)
+    table, paths = compare_runs(list(o.configs), o.batches, stem, argv)
     print("\n".join(table))
     print("wrote " + ", ".join(map(str, paths)))
     return 0

@@ -96,7 +96,7 @@ def write_drift_page(
         plateau_table(results),
         f"![drift]({stem.name}.png)",
     ]
-    paths = write_report(stem, title, {**payload, "runs": [asdict(r) for r in results]}, body)
-    png = stem.with_suffix(".png")
-    plot_drift(results, png, plot_title)
-    return [*paths, png]
+    return write_report(
+        stem, title, {**payload, "runs": [asdict(r) for r in results]}, body,
+        lambda png: plot_drift(results, png, plot_title),
+    )  # fmt: skip

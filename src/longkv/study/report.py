@@ -316,13 +316,12 @@ def write_study_report(
         "mean": means,
         "missing": missing,
     }
-    paths = write_report(stem, title, payload, body)
-    if done:
-        png = stem.with_suffix(".png")
+
+    def plot(png: Path) -> None:
         if study.mqar is not None:
             plot_mqar(means, png, title)
         else:
             assert study.lm is not None
             plot_lm(means, study.lm.data.seq_len, png, title)
-        paths.append(png)
-    return paths
+
+    return write_report(stem, title, payload, body, plot if done else None)

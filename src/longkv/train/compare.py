@@ -54,9 +54,14 @@ def compare_runs(
         "",
         f"![loss curves]({stem.name}.png)",
     ]
-    payload = {"provenance": provenance(argv), "runs": [asdict(r) for r in results]}
-    paths = write_report(stem, "longkv compare-runs: " + ", ".join(configs), payload, body)
+    payload = {
+        "provenance": provenance(argv),
+        "settings": {"configs": configs, "batches": batches},
+        "runs": [asdict(r) for r in results],
+    }
     curves = {label: read_metrics(run.sections.out / METRICS_FILE) for label, run in runs}
-    png = stem.with_suffix(".png")
-    plot_runs(curves, png, "loss curves: " + ", ".join(curves))
-    return table, [*paths, png]
+    paths = write_report(
+        stem, "longkv compare-runs: " + ", ".join(configs), payload, body,
+        lambda png: plot_runs(curves, png, "loss curves: " + ", ".join(curves)),
+    )  # fmt: skip
+    return table, paths
