@@ -9,7 +9,7 @@ import torch
 
 from conftest import TINY_HF, tiny_hf
 from longkv.attention.rope import angles_at, rotate
-from longkv.caches.bounded import bounded_fold, bounded_generate
+from longkv.caches.bounded import STREAM_CHUNK, bounded_fold, bounded_generate
 from longkv.caches.eviction import SnapKVConfig, SnapKVRunner, keep_best, pooled
 from longkv.caches.kvm_fold import KVMFoldConfig, KVMFoldRunner
 from longkv.caches.kvm_state import DROPPED, FoldState, empty_state, read_slots, update_state
@@ -301,6 +301,17 @@ def test_bad_configs_are_refused() -> None:
         KVMFoldRunner(tiny_hf("llama"), KVMFoldConfig(budget=300))
     with pytest.raises(ValueError, match="chunk_size: 60 exceeds the window 50"):
         run_bounded(tiny_hf("llama"), ids_of(), KVMFoldConfig(budget=100), 60)
+
+
+def test_without_a_chunk_a_bounded_read_takes_the_default_at_most_the_window() -> None:
+    """STREAM_CHUNK tokens a chunk, or the window's where it is smaller (not a refusal)."""
+    model, ids = tiny_hf("llama"), ids_of(150)
+    small = KVMFoldConfig(budget=40, sinks=2, window=8)
+    run = run_bounded(model, ids, small)
+    assert len(run.chunk_seconds) == math.ceil(150 / 8)
+    assert torch.equal(run.nll, run_bounded(model, ids, small, 8).nll)
+    wide = KVMFoldConfig(budget=140, sinks=2, window=100)
+    assert len(run_bounded(model, ids, wide).chunk_seconds) == math.ceil(150 / STREAM_CHUNK)
 
 
 def test_fates_say_which_tokens_founded_slots_and_which_were_dropped() -> None:

@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from longkv.attention.state import tensor_bytes
 from longkv.bench.memory import keep_freed_heap, load_weights, peak_memory
-from longkv.caches.bounded import BoundedConfig, BoundedRunner, bounded_fold
+from longkv.caches.bounded import STREAM_CHUNK, BoundedConfig, BoundedRunner, bounded_fold
 from longkv.caches.methods import make_runner
 from longkv.checks import require_at_least, setting
 from longkv.fold.fold import FoldResult, FoldRunner, kv_fold
@@ -155,7 +155,7 @@ def compare_methods(
     methods: tuple[str, ...] = ("full", "fold"),
     repeats: int = 1,
     bounded: dict[str, BoundedConfig] | None = None,
-    stream_chunk: int = 64,
+    stream_chunk: int = STREAM_CHUNK,
     allow_extrapolation: bool = False,
     variant: str = "exact",
     decode_tokens: int = 0,

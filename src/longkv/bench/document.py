@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from longkv.bench import check_threads, threads_setting, use_threads
+from longkv.caches.bounded import STREAM_CHUNK
 from longkv.caches.kvm_fold import KVMFoldConfig
 from longkv.caches.methods import BoundedOptions, make_runner, read_and_answer
 from longkv.checks import require, require_at_least, require_known, setting
@@ -32,6 +33,7 @@ from longkv.document.prompt import document_ids, prompt_ids
 from longkv.document.read import METHODS, Document, read_ids, read_settings
 from longkv.document.save import load, save
 from longkv.dtypes import DTYPES
+from longkv.fold.fold import FOLD_CHUNK
 from longkv.results import (
     OUT_DIR,
     OUT_DIR_HELP,
@@ -68,8 +70,8 @@ class DocumentBenchSettings:
     )  # fmt: skip
     budget: int = setting(1024, "bounded methods: entries per layer and KV head")
     kvm_open: int = setting(8, "two-level: slots each query head opens")
-    chunk_size: int = setting(1024, "fold: chunk (tokens)")
-    stream_chunk: int = setting(64, "bounded methods: chunk (tokens)")
+    chunk_size: int = setting(FOLD_CHUNK, "fold: chunk (tokens)")
+    stream_chunk: int = setting(STREAM_CHUNK, "bounded methods: chunk (tokens)")
     max_new_tokens: int = setting(32, "answer tokens at most")
     dtype: str = setting("fp32", "weights and activations", choices=sorted(DTYPES))
     threads: int | None = threads_setting()

@@ -23,11 +23,13 @@ import torch
 from torch import nn
 
 from longkv.bench.document import document_text
+from longkv.caches.bounded import STREAM_CHUNK
 from longkv.caches.kvm_fold import KVMFoldConfig
 from longkv.checks import require_at_least, require_known, setting
 from longkv.document.prompt import document_ids
 from longkv.document.read import RepeatedLine, read_ids, read_settings
 from longkv.dtypes import DTYPES
+from longkv.fold.fold import FOLD_CHUNK
 from longkv.results import OUT_DIR, OUT_DIR_HELP, markdown_table, provenance, write_report
 
 TEXT = "austen/prideprejudice.txt.gz"
@@ -61,8 +63,8 @@ class QABenchSettings:
     )
     budget: int = setting(1024, "two-level: entries per layer and KV head")
     kvm_open: int = setting(8, "two-level: slots each query head opens")
-    chunk_size: int = setting(1024, "fold: chunk (tokens)")
-    stream_chunk: int = setting(64, "two-level: chunk (tokens)")
+    chunk_size: int = setting(FOLD_CHUNK, "fold: chunk (tokens)")
+    stream_chunk: int = setting(STREAM_CHUNK, "two-level: chunk (tokens)")
     max_new_tokens: int = setting(48, "answer tokens")
     dtype: str = setting("fp32", "weights and activations", choices=sorted(DTYPES))
     out_dir: str = setting(OUT_DIR, OUT_DIR_HELP)

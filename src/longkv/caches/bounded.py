@@ -33,6 +33,8 @@ from longkv.fold.fold import FoldResult, check_input, score_chunks
 from longkv.fold.generate import continue_decode
 
 STATIC_ROPE = {"default", "linear", "llama3", "yarn"}
+# the chunk read where none is given, at most the window (docs/kvfold.md, "The default chunk")
+STREAM_CHUNK = 64
 
 
 def check_budget(model: nn.Module, budget: int) -> None:
@@ -43,8 +45,7 @@ def check_budget(model: nn.Module, budget: int) -> None:
     """
     limit = getattr(model.config, "max_position_embeddings", None)
     require(
-        limit is None or budget <= limit,
-        None, "budget",
+        limit is None or budget <= limit, None, "budget",
         f"a budget of {budget} cache positions exceeds the model's max_position_embeddings = "
         f"{limit}; use a smaller budget",
     )  # fmt: skip
@@ -389,17 +390,18 @@ class BoundedRunner:
 def bounded_fold(
     runner: BoundedRunner,
     input_ids: Tensor,
-    chunk_size: int,
+    chunk_size: int | None = None,
     *,
     return_logits: bool = False,
     score: bool = True,
     progress: bool = False,
     desc: str | None = None,
 ) -> FoldResult:
-    """Feed input_ids (B, T) through a bounded runner chunk by chunk; nll and logits as for
-    `kv_fold` (the result's cache: the runner's `cache` after the last forward; score=False: a
-    read to decode from, `score_chunks`); desc labels the progress bar (default: the runner's
-    method)."""
+    """Feed input_ids (B, T) through a bounded runner in chunks of chunk_size (None:
+    STREAM_CHUNK, at most the window; 1: token by token); nll and logits as for `kv_fold` (the
+    result's cache: the runner's `cache` after the last forward; score=False: a read to decode
+    from, `score_chunks`); desc labels the progress bar (default: the runner's method)."""
+    chunk_size = min(STREAM_CHUNK, runner.config.window_len) if chunk_size is None else chunk_size
     check_input(input_ids, chunk_size)
     runner.check_room(input_ids.shape[1])
     if chunk_size > runner.config.window_len:
@@ -416,7 +418,7 @@ def bounded_fold(
 def bounded_generate(
     runner: BoundedRunner,
     input_ids: Tensor,
-    chunk_size: int,
+    chunk_size: int | None,
     max_new_tokens: int,
     *,
     eos_token_id: int | None = None,
@@ -426,9 +428,9 @@ def bounded_generate(
     on_token: Callable[[Tensor], object] | None = None,
     desc: str | None = None,
 ) -> Tensor:
-    """Read a prompt (B, T) through the runner, then decode (B, n) from its cache, greedy
-    unless `pick` samples (`continue_decode`); after_prompt is called between the two (to look
-    at the runner as the prompt left it); desc labels the progress bar (`bounded_fold`).
+    """Read a prompt (B, T) through the runner (chunks and desc as for `bounded_fold`), then
+    decode (B, n) from its cache, greedy unless `pick` samples (`continue_decode`); after_prompt
+    is called between the two (to look at the runner as the prompt left it).
 
     The prompt's last token is read on its own, as the first step of decoding: its query,
     which predicts the first new token, attends as a decoded token's does (a retrieval cache

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from torch import Tensor, nn
 
 from longkv.caches.bounded import (
+    STREAM_CHUNK,
     BoundedConfig,
     BoundedRunner,
     bounded_fold,
@@ -40,7 +41,7 @@ from longkv.caches.streaming import StreamingRunner
 from longkv.caches.two_level import TwoLevelRunner
 from longkv.checks import mirror, refused_as, require, require_at_least, setting
 from longkv.decoding import Pick, greedy
-from longkv.fold.fold import FoldResult
+from longkv.fold.fold import FOLD_CHUNK, FoldResult
 from longkv.fold.generate import fold_generate
 
 BOUNDED = ("streaming", "snapkv", "kvm-fold", "quest", "infllm")
@@ -66,7 +67,7 @@ class BoundedOptions:
         "(default: half the budget); streaming keeps budget - sinks",
         feeds=(BoundedConfig, "window"),
     )
-    stream_chunk: int = setting(64, "chunk of the bounded methods (1 = token by token)")
+    stream_chunk: int = setting(STREAM_CHUNK, "chunk of the bounded methods (1 = token by token)")
     kvm_states: tuple[str, ...] = setting(
         ("fixed",),
         "state budgets of kvm-fold, each run once",
@@ -307,12 +308,13 @@ def run_bounded(
     model: nn.Module,
     input_ids: Tensor,
     config: BoundedConfig,
-    chunk_size: int = 64,
+    chunk_size: int | None = None,
     *,
     return_logits: bool = False,
     progress: bool = False,
 ) -> FoldResult:
-    """Read input_ids (B, T) chunk by chunk through a fresh cache of a bounded config
+    """Read input_ids (B, T) in chunks of chunk_size (None: STREAM_CHUNK, 64 tokens, at most the
+    window; see it for the measurement) through a fresh cache of a bounded config
     (`make_runner`); nll and logits as for `kv_fold`."""
     runner = make_runner(model, config)
     return bounded_fold(
@@ -327,9 +329,9 @@ def read_and_answer(
     max_new_tokens: int,
     *,
     runner: BoundedRunner | None = None,
-    chunk_size: int = 1024,
+    chunk_size: int = FOLD_CHUNK,
     variant: str = "exact",
-    stream_chunk: int = 64,
+    stream_chunk: int | None = None,
     eos_token_id: int | None = None,
     allow_extrapolation: bool = False,
     pick: Pick = greedy,
@@ -338,7 +340,8 @@ def read_and_answer(
 ) -> Tensor:
     """Read a prompt ids (B, T) by one method and decode (B, n) from what it keeps: `full` (one
     forward), `fold` (chunks of chunk_size, `variant`) or a bounded method through `runner`
-    (`make_runner`; chunks of stream_chunk; after_prompt is called once the prompt is read).
+    (`make_runner`; chunks of stream_chunk, None: STREAM_CHUNK at most the window; after_prompt
+    is called once the prompt is read).
     Decoding is greedy unless `pick` samples; on_token sees each step's tokens as they come;
     a chunked read shows its progress, labelled by `method` (a run's label)."""
     if method in ("full", "fold"):

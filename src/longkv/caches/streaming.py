@@ -8,9 +8,9 @@ keys are rotated at their cache index.
 Modes: `chunk_size=1` is the original, one token per forward. A larger chunk evicts once per
 chunk, before it, so that cache + chunk fits in sinks + window: the chunk's first token then sees
 sinks + window - chunk_size + 1 entries (itself included) and its last sees sinks + window, where
-token-by-token every token sees sinks + window. The functions read in chunks of CHUNK tokens
-(at most the window) unless told otherwise: token by token is the paper's reference and slow
-(see `CHUNK`).
+token-by-token every token sees sinks + window. The functions read in chunks of STREAM_CHUNK
+tokens (at most the window) unless told otherwise: token by token is the paper's reference and
+slow (see `longkv.caches.bounded.STREAM_CHUNK`).
 """
 
 from __future__ import annotations
@@ -19,14 +19,6 @@ from torch import Tensor, nn
 
 from longkv.caches.bounded import BoundedConfig, BoundedRunner, bounded_fold, bounded_generate
 from longkv.fold.fold import FoldResult
-
-# the default chunk: measured with SmolLM2-135M on a 2-core CPU (docs/kvfold.md, StreamingLLM)
-CHUNK = 64
-
-
-def chunk_or_default(chunk_size: int | None, window: int) -> int:
-    """chunk_size, or (None) CHUNK tokens capped at the window."""
-    return min(CHUNK, window) if chunk_size is None else chunk_size
 
 
 class StreamingRunner(BoundedRunner):
@@ -56,10 +48,11 @@ def stream(
     return_logits: bool = False,
     progress: bool = False,
 ) -> FoldResult:
-    """Feed input_ids (B, T) through the runner chunk by chunk (None: CHUNK tokens, at most the
-    window; 1: token by token, the paper's reference); nll and logits as for `kv_fold`."""
-    chunk = chunk_or_default(chunk_size, runner.config.window_len)
-    return bounded_fold(runner, input_ids, chunk, return_logits=return_logits, progress=progress)
+    """Feed input_ids (B, T) through the runner chunk by chunk (None: STREAM_CHUNK tokens, at most
+    the window; 1: token by token, the paper's reference); nll and logits as for `kv_fold`."""
+    return bounded_fold(
+        runner, input_ids, chunk_size, return_logits=return_logits, progress=progress
+    )
 
 
 def streaming_llm(
@@ -73,7 +66,8 @@ def streaming_llm(
     progress: bool = False,
 ) -> FoldResult:
     """Run input_ids (B, T) through StreamingLLM from an empty cache, in chunks of chunk_size
-    (None: CHUNK tokens, at most the window; 1: token by token, the paper's reference)."""
+    (None: STREAM_CHUNK tokens, at most the window; 1: token by token, the paper's
+    reference)."""
     runner = StreamingRunner(model, sinks, window)
     return stream(runner, input_ids, chunk_size, return_logits=return_logits, progress=progress)
 
@@ -93,6 +87,6 @@ def streaming_generate(
     (B, n), evicting as the cache fills."""
     runner = StreamingRunner(model, sinks, window)
     return bounded_generate(
-        runner, input_ids, chunk_or_default(chunk_size, window), max_new_tokens,
+        runner, input_ids, chunk_size, max_new_tokens,
         eos_token_id=eos_token_id, progress=progress,
     )  # fmt: skip

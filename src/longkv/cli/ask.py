@@ -27,7 +27,7 @@ from longkv.decoding import Pick, Sampler, greedy
 from longkv.document.prompt import document_ids, question_ids
 from longkv.document.read import Answer, Document, ReadSettings, check_document, read_ids
 from longkv.document.save import load
-from longkv.fold.fold import CLI_SWITCH, check_positions
+from longkv.fold.fold import CLI_SWITCH, FOLD_CHUNK, check_positions
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class DocumentOptions(BoundedOptions):
         "two-level is kvm-fold with --kvm-open)",
         choices=CACHE_METHODS,
     )
-    chunk_size: int = setting(1024, "fold: chunk (tokens)")
+    chunk_size: int = setting(FOLD_CHUNK, "fold: chunk (tokens)")
     chat: bool = setting(
         True, "put document and question in the tokenizer's chat template when it has one"
     )

@@ -15,6 +15,7 @@ from longkv.data.corpus import DEFAULT_TEXT
 from longkv.dtypes import DTYPES
 from longkv.fold.drift import drift_table
 from longkv.fold.drift_grid import drift_grid, drift_runs, write_drift_page
+from longkv.fold.fold import FOLD_CHUNK
 from longkv.fold.variants import (
     VARIANT_HELP,
     VARIANTS,
@@ -40,7 +41,7 @@ class TextOptions:
 class FoldOptions(BoundedOptions, TextOptions, Timing):
     """`longkv fold`: the methods compared with one full forward, and their options."""
 
-    chunk_size: int = setting(1024, "fold chunk (tokens)")
+    chunk_size: int = setting(FOLD_CHUNK, "fold chunk (tokens)")
     variant: str = setting("exact", "method fold: " + VARIANT_HELP, choices=VARIANTS)
     dtype: str = dtype_setting()
     methods: tuple[str, ...] = setting(

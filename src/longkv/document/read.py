@@ -24,7 +24,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from longkv.caches.bounded import BoundedConfig, BoundedRunner, bounded_fold, bounded_generate
+from longkv.caches.bounded import (
+    STREAM_CHUNK,
+    BoundedConfig,
+    BoundedRunner,
+    bounded_fold,
+    bounded_generate,
+)
 from longkv.caches.fork import fork
 from longkv.caches.kvm_fold import KVMFoldConfig
 from longkv.caches.methods import (
@@ -38,7 +44,7 @@ from longkv.caches.retrieval import RetrievalRunner, check_exact_positions
 from longkv.checks import require
 from longkv.decoding import Pick, greedy
 from longkv.document.prompt import document_ids, question_ids
-from longkv.fold.fold import FoldRunner, kv_fold
+from longkv.fold.fold import FOLD_CHUNK, FoldRunner, kv_fold
 from longkv.fold.generate import fold_generate
 
 # "two-level" reads as kvm-fold with slots opened (KVMFoldConfig.open), by default 8
@@ -57,8 +63,8 @@ class ReadSettings:
     method: str
     label: str
     config: BoundedConfig | None = None
-    chunk_size: int = 1024
-    stream_chunk: int = 64
+    chunk_size: int = FOLD_CHUNK
+    stream_chunk: int = STREAM_CHUNK
     chat: bool = True
     allow_extrapolation: bool = False
 
@@ -243,8 +249,9 @@ def read(
 ) -> Document:
     """Read a document (a text, or its token ids as the prompt's document part) once, by
     `method` (`METHODS`; a bounded one with `config`, else the command line's defaults), to ask
-    it questions. settings: chunk_size (fold, 1024), stream_chunk (bounded, 64), chat (put the
-    prompt in the tokenizer's chat template, True), allow_extrapolation (False)."""
+    it questions. settings: chunk_size (fold; FOLD_CHUNK, 1024), stream_chunk (bounded;
+    STREAM_CHUNK, 64; both chosen by measurement, see them), chat (put the prompt in the
+    tokenizer's chat template, True), allow_extrapolation (False)."""
     s = read_settings(method, config, **settings)
     if isinstance(document, str):
         check_document(document)

@@ -14,6 +14,7 @@ from typing import Any
 from longkv.caches.methods import BOUNDED, CACHE_METHODS, BoundedOptions
 from longkv.checks import require, require_at_least, require_known, setting, typed
 from longkv.evals.niah import TASKS
+from longkv.fold.fold import FOLD_CHUNK
 from longkv.fold.variants import VARIANT_HELP, VARIANTS, require_variants
 from longkv.results import write_atomic
 
@@ -34,7 +35,7 @@ class NiahSettings(BoundedOptions):
     )
     samples: int = setting(1, "samples per cell (task, length, depth)")
     seed: int = setting(0, "seed of the first sample; sample i uses seed + i")
-    chunk_size: int = setting(1024, "fold chunk (tokens)")
+    chunk_size: int = setting(FOLD_CHUNK, "fold chunk (tokens)")
     variant: str = setting("exact", "method fold: " + VARIANT_HELP, choices=VARIANTS)
     max_new_tokens: int = setting(32, "greedy answer tokens at most")
     exact_up_to: int = setting(
