@@ -4,9 +4,13 @@ run."""
 from __future__ import annotations
 
 import re
+import signal
 from pathlib import Path
 
 import pytest
+
+from longkv.bench.readme import ReadmeBenchSettings, python_blocks, run, run_blocks
+from longkv.checks import SettingError
 
 ROOT = Path(__file__).resolve().parents[1]
 # a path of the repository: under one of its folders, up to a character no path here holds
@@ -20,24 +24,49 @@ def test_every_path_the_readme_names_exists() -> None:
     assert missing == [], missing
 
 
-def python_blocks() -> list[str]:
-    """The README's Python code blocks, in order."""
-    return re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
-
-
 @pytest.mark.smollm2
-def test_every_python_block_of_the_readme_runs(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """In order, in one namespace (a block uses the model the one before loaded), in a folder
-    holding the book.txt they read: a page of Pride and Prejudice."""
+def test_every_python_block_of_the_readme_runs(tmp_path: Path) -> None:
+    """In order, in one namespace (a block uses the model the one before loaded), the long text
+    and the book.txt they read a page of Pride and Prejudice (`longkv bench readme` runs them
+    at length)."""
     from longkv.data.corpus import read_text
 
-    blocks = python_blocks()
+    blocks = python_blocks((ROOT / "README.md").read_text())
     assert len(blocks) >= 3
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "book.txt").write_text(read_text("austen/prideprejudice.txt.gz")[:3000])
-    namespace: dict[str, object] = {}
-    for block in blocks:
-        exec(compile(block, "README.md", "exec"), namespace)
+    text = read_text("austen/prideprejudice.txt.gz")[:3000]
+    rows = run_blocks(blocks, text, bound=3600, folder=tmp_path)
+    assert all(r["finished"] for r in rows) and len(rows) > 20
     assert (tmp_path / "book.read" / "manifest.json").is_file()
+
+
+def test_the_long_text_and_the_book_hold_the_text(tmp_path: Path) -> None:
+    """The placeholder and book.txt are replaced in every block; a failing statement fails."""
+    blocks = [
+        'n = len("...a long text...")\nassert open("book.txt").read() == "...a long text..."\n',
+        "assert n == 9, n\n",
+    ]
+    rows = run_blocks(blocks, "some text", bound=60, folder=tmp_path)
+    assert [(r["block"], r["line"]) for r in rows] == [(1, 1), (1, 2), (2, 1)]
+    assert rows[0]["statement"] == 'n = len("...a long text...")'
+    with pytest.raises(AssertionError, match=r"^9$"):
+        run_blocks(["assert len('x') == 0, 9\n"], "t", bound=60, folder=tmp_path)
+
+
+def test_a_statement_past_the_bound_is_stopped_and_ends_the_run(tmp_path: Path) -> None:
+    before = signal.getsignal(signal.SIGALRM)
+    rows = run_blocks(
+        ["x = 1\nwhile True:\n    x += 1\n", "y = 2\n"], "t", bound=1.0, folder=tmp_path
+    )
+    assert [(r["line"], r["finished"]) for r in rows] == [(1, True), (2, False)]
+    assert rows[1]["seconds"] >= 1.0 and rows[1]["statement"].startswith("while True:")
+    assert signal.getsignal(signal.SIGALRM) == before
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+
+
+def test_a_readme_without_a_long_text_or_file_is_refused(tmp_path: Path) -> None:
+    readme = tmp_path / "R.md"
+    readme.write_text("```python\nx = 1\n```\n")
+    with pytest.raises(SettingError, match="reads a long text"):
+        run(ReadmeBenchSettings(readme=str(readme), out_dir=str(tmp_path)))
+    with pytest.raises(SettingError, match="--readme PATH"):
+        ReadmeBenchSettings(readme=str(tmp_path / "missing.md"))

@@ -1,5 +1,5 @@
-"""`longkv bench kvm`, `bench train`, `bench document` and `bench qa`: options from their
-settings dataclasses."""
+"""`longkv bench kvm`, `bench train`, `bench document`, `bench qa` and `bench readme`: options
+from their settings dataclasses."""
 
 from __future__ import annotations
 
@@ -11,13 +11,14 @@ from typing import Any
 from longkv.bench import document as bench_document
 from longkv.bench import kvm as bench_kvm
 from longkv.bench import qa as bench_qa
+from longkv.bench import readme as bench_readme
 from longkv.bench import train as bench_train
 from longkv.cli.args import HelpFormatter, command
 from longkv.cli.common import LoadOptions, require_own_page
 
 
 def configure(name: str, parser: argparse.ArgumentParser) -> None:
-    """`bench` and its benchmarks, `bench kvm` and `bench train`."""
+    """`bench` and its benchmarks."""
     benches = parser.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
     for bench, module, settings, run, help_text in (
         ("kvm", bench_kvm, bench_kvm.BenchSettings, _run_bench_kvm,
@@ -28,6 +29,8 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
          "a kept read against reading again (first-token seconds), saved and loaded"),
         ("qa", bench_qa, bench_qa.QABenchSettings, _run_bench_qa,
          "questions about a shipped novel, by method and prompt, scored by string match"),
+        ("readme", bench_readme, bench_readme.ReadmeBenchSettings, _run_bench_readme,
+         "the README's Python blocks on text of realistic length, each statement bounded"),
     ):  # fmt: skip
         sub = benches.add_parser(
             bench, help=help_text, description=module.__doc__, formatter_class=HelpFormatter
@@ -76,3 +79,13 @@ def _run_bench_qa(args: argparse.Namespace, argv: list[str]) -> int:
     paths = bench_qa.write_page(bench_qa.run(model, tokenizer, settings, argv), settings)
     print(paths[1].read_text())
     return 0
+
+
+def _run_bench_readme(args: argparse.Namespace, argv: list[str]) -> int:
+    """Exit status 1 where a statement was stopped at the bound."""
+    settings = args.settings[bench_readme.ReadmeBenchSettings]
+    own_page(settings)
+    report = bench_readme.run(settings, argv)
+    paths = bench_readme.write_page(report, settings)
+    print(paths[1].read_text())
+    return 0 if bench_readme.within_bound(report) else 1
