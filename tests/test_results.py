@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
-from longkv.results import provenance, replaced_together, write_report
+from longkv.results import markdown_table, provenance, replaced_together, write_report
 
 
 def test_a_pages_files_are_all_new_or_all_old(tmp_path: Path) -> None:
@@ -48,3 +49,13 @@ def test_a_report_interrupted_while_plotting_leaves_the_old_page(tmp_path: Path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.md", "r.png"]
     without = write_report(tmp_path / "q", "t", payload, [])
     assert without == [tmp_path / "q.json", tmp_path / "q.md"]
+
+
+def test_a_pipe_inside_a_cell_stays_in_its_cell() -> None:
+    header, row = ["statement", "seconds"], ["x = a | b", "0.1"]
+    lines = markdown_table(header, [row], "<>")
+    assert lines[0] == "| statement | seconds |"
+    assert lines[2] == r"| x = a \| b | 0.1 |"
+    # a markdown reader splits a row at the pipes that are not escaped: two cells, as the header
+    cells = re.split(r"(?<!\\)\|", lines[2].strip("|"))
+    assert len(cells) == len(header)

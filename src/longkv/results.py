@@ -168,14 +168,15 @@ def markdown_table(
 ) -> list[str]:
     """The lines of a markdown table: the header, the alignment row, then one line per row.
 
-    align: one character per column, "<" left or ">" right; every column left when None."""
+    align: one character per column, "<" left or ">" right; every column left when None. A
+    "|" inside a cell (a model's reply, a statement) is escaped, so it stays in its cell."""
     marks = {"<": "---|", ">": "---:|"}
     columns = zip(header, "<" * len(header) if align is None else align, strict=True)
-    return [
-        "| " + " | ".join(header) + " |",
-        "|" + "".join(marks[a] for _, a in columns),
-        *("| " + " | ".join(row) + " |" for row in rows),
-    ]
+
+    def line(cells: Sequence[str]) -> str:
+        return "| " + " | ".join(c.replace("|", r"\|") for c in cells) + " |"
+
+    return [line(header), "|" + "".join(marks[a] for _, a in columns), *map(line, rows)]
 
 
 def pyplot() -> Any:
