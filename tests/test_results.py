@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pytest
@@ -56,6 +55,3 @@ def test_a_pipe_inside_a_cell_stays_in_its_cell() -> None:
     lines = markdown_table(header, [row], "<>")
     assert lines[0] == "| statement | seconds |"
     assert lines[2] == r"| x = a \| b | 0.1 |"
-    # a markdown reader splits a row at the pipes that are not escaped: two cells, as the header
-    cells = re.split(r"(?<!\\)\|", lines[2].strip("|"))
-    assert len(cells) == len(header)

@@ -169,7 +169,7 @@ def markdown_table(
     """The lines of a markdown table: the header, the alignment row, then one line per row.
 
     align: one character per column, "<" left or ">" right; every column left when None. A
-    "|" inside a cell (a model's reply, a statement) is escaped, so it stays in its cell."""
+    "|" inside a cell (a README statement on bench readme's page) is escaped: it stays in it."""
     marks = {"<": "---|", ">": "---:|"}
     columns = zip(header, "<" * len(header) if align is None else align, strict=True)
 
