@@ -226,6 +226,18 @@ def bos_gpt2() -> Any:
     return tokenizer
 
 
+def saved_model(factory: pytest.TempPathFactory, name: str, config: Any, cls: Any) -> str:
+    """A folder holding a random model of `cls` built from `config` (seed 0), and the GPT-2
+    tokenizer."""
+    from longkv.train.tokenizer import gpt2_tokenizer
+
+    folder = factory.mktemp(name)
+    torch.manual_seed(0)
+    cls(config).save_pretrained(folder)
+    gpt2_tokenizer().save_pretrained(folder)
+    return str(folder)
+
+
 def unmapped(model: LongKVForCausalLM) -> LongKVForCausalLM:
     """The model with every parameter copied out of the checkpoint it was memory-mapped from.
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
 
-from conftest import over_tokenizer, tiny_hf_config
+from conftest import over_tokenizer, saved_model, tiny_hf_config
 from longkv.bench.bounded import FATES, fate_rows, miss_rows, route_rows
 from longkv.bench.kvm import BenchSettings
 from longkv.bench.train import TrainBenchSettings
@@ -39,20 +39,11 @@ from longkv.train.tokenizer import gpt2_tokenizer
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def saved(factory: pytest.TempPathFactory, name: str, config: Any, cls: Any) -> str:
-    """A folder holding a random model of `cls` built from `config`, and the GPT-2 tokenizer."""
-    folder = factory.mktemp(name)
-    torch.manual_seed(0)
-    cls(config).save_pretrained(folder)
-    gpt2_tokenizer().save_pretrained(folder)
-    return str(folder)
-
-
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A folder with a 1-layer random Llama (512 positions) and the GPT-2 tokenizer."""
     config = tiny_hf_config(**over_tokenizer(gpt2_tokenizer()), max_position_embeddings=512)
-    return saved(tmp_path_factory, "tiny", config, LlamaForCausalLM)
+    return saved_model(tmp_path_factory, "tiny", config, LlamaForCausalLM)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +54,7 @@ def tiny_gpt2(tmp_path_factory: pytest.TempPathFactory) -> str:
         vocab_size=len(tokenizer), n_embd=16, n_layer=1, n_head=2, n_positions=512,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
     )  # fmt: skip
-    return saved(tmp_path_factory, "tiny_gpt2", config, GPT2LMHeadModel)
+    return saved_model(tmp_path_factory, "tiny_gpt2", config, GPT2LMHeadModel)
 
 
 @pytest.fixture
@@ -226,7 +217,7 @@ def test_results_go_to_the_untracked_folder_by_default() -> None:
                     defaults.append((name, action.default))
     assert {name for name, _ in defaults} == {
         "niah", "fold", "drift", "bench kvm", "bench train", "compare-runs", "study", "bounded",
-        "eval", "bench document", "bench qa", "bench readme",
+        "eval", "bench document", "bench qa", "bench readme", "bench routing",
     }  # fmt: skip
     assert all(default == OUT_DIR for _, default in defaults), defaults
 

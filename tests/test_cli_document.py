@@ -12,10 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from transformers import LlamaForCausalLM
 
-from conftest import over_tokenizer, tiny_hf_config, tiny_longkv
+from conftest import over_tokenizer, saved_model, tiny_hf_config, tiny_longkv
 from longkv.cli.main import main
 from longkv.train.tokenizer import gpt2_tokenizer
 
@@ -25,12 +24,8 @@ QUESTIONS = ["What is the word?", "Which word?", "Say the word."]
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A folder with a 1-layer random Llama (2048 positions) and the GPT-2 tokenizer."""
-    folder = tmp_path_factory.mktemp("tiny")
-    torch.manual_seed(0)
     config = tiny_hf_config(**over_tokenizer(gpt2_tokenizer()), max_position_embeddings=2048)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    gpt2_tokenizer().save_pretrained(folder)
-    return str(folder)
+    return saved_model(tmp_path_factory, "tiny", config, LlamaForCausalLM)
 
 
 @pytest.fixture

@@ -155,7 +155,7 @@ def flip_byte(path: Path) -> None:
         (lambda d: (d / MANIFEST).unlink(), "no manifest.json, so not a saved read"),
         (lambda d: (d / MANIFEST).write_text("{"), "manifest.json is corrupted"),
         (lambda d: edit_manifest(d, longkv="0.0.1"), "saved by longkv 0.0.1, and this is"),
-        (lambda d: edit_manifest(d, format=99), "save format 99, and this longkv reads format 1"),
+        (lambda d: edit_manifest(d, format=99), "save format 99, and this longkv reads format 2"),
     ],
 )  # fmt: skip
 def test_a_damaged_save_is_refused_in_one_line(

@@ -11,14 +11,20 @@ from torch import Tensor
 
 from conftest import TOL
 from longkv.caches.leaves import Gathered, make_leaves
-from longkv.caches.naive import block_units_naive, routed_attention_naive, top_units_naive
+from longkv.caches.naive import (
+    block_units_naive,
+    routed_attention_naive,
+    row_units_naive,
+    top_units_naive,
+)
 from longkv.caches.routed import (
     Part,
     attended_entries,
     block_units,
     grouped,
-    last_query,
+    query_units,
     routed_attention,
+    row_units,
     top_units,
 )
 
@@ -137,6 +143,8 @@ def test_memory_queries_meet_the_read_outs_and_leaves_as_the_per_query_reference
         entries["sinks"] = (entries["sinks"][0][:, :, :0], entries["sinks"][1][:, :, :0])
     rank = rank_of(q_mem, entries, count)
     opened = top_units(rank, k) if routing == "token" else block_units(rank, count, k)
+    if routing == "block" and k == 3:  # every KV head fits a unit in 3 leaves: all but one none
+        opened = opened & torch.tensor([[False, False], [True, False]]).view(B, HKV, 1, 1)
     heads = opened.repeat_interleave(G, 1).expand(B, H, L, -1) if opened.shape[2] == 1 else (
         opened.reshape(B, H, L, -1)
     )  # fmt: skip
@@ -144,7 +152,7 @@ def test_memory_queries_meet_the_read_outs_and_leaves_as_the_per_query_reference
     want = routed_attention_naive(q, entries, kept, owner, heads, SCALE, q_mem)
     got = fast(q, entries, kept, owner, opened, q_mem)
     torch.testing.assert_close(got, want, rtol=0, atol=TOL)
-    if routing == "block" and k == 3 and L == T:  # some KV heads opened a unit, some none
+    if routing == "block" and k == 3:  # some KV heads opened a unit, some none
         assert opened.any(-1).flatten().tolist() == [False, False, True, False]
 
 
@@ -236,6 +244,34 @@ def test_a_block_opens_the_units_of_largest_share_within_the_leaf_budget(
             assert 0 < opened < every
 
 
+def test_a_unit_that_does_not_fit_is_skipped_and_the_next_ones_still_open() -> None:
+    """A giant unit ranked first does not close the set (block and per row): the units after it
+    that fit what is left open, and a budget it alone fits takes it first."""
+    rank = torch.tensor([[[[5.0, 4.0, 3.0, 2.0, 1.0]]]], dtype=torch.float64)  # (1, 1, 1, 5)
+    count = torch.tensor([[[2.0, 9.0, 3.0, 4.0, 1.0]]], dtype=torch.float64)
+    assert block_units(rank, count, 6).flatten().tolist() == [True, False, True, False, True]
+    assert row_units(rank, count, 5, 6).flatten().tolist() == [True, False, True, False, True]
+    assert row_units(rank, count, 2, 6).flatten().tolist() == [True, False, True, False, False]
+    assert block_units(rank, count, 11).flatten().tolist() == [True, True, False, False, False]
+    assert not block_units(rank, count, 0).any()
+
+
+@pytest.mark.parametrize("budget", [None, 0, 3, 7, 100])
+@pytest.mark.parametrize("k", [1, 3, 9])
+def test_each_row_opens_its_best_units_within_the_leaf_budget(budget: int | None, k: int) -> None:
+    g = torch.Generator().manual_seed(k)
+    rank = torch.randn(B, HKV, 6, 9, generator=g, dtype=torch.float64)
+    rank[0, 0, 2, 4] = rank[0, 0, 2, 7]  # a tie: the earlier unit first
+    count = torch.randint(1, 5, (B, HKV, 9), generator=g).double()
+    got = row_units(rank, count, k, budget)
+    assert torch.equal(got, row_units_naive(rank, count, k, budget))
+    assert (got.sum(-1) <= k).all()
+    if budget is None:
+        assert torch.equal(got, top_units(rank, k))
+    else:
+        assert ((got * count.unsqueeze(2)).sum(-1) <= budget).all()
+
+
 @pytest.mark.parametrize("shared", [True, False])
 def test_the_attended_entries_are_the_finite_entries_each_query_sees(shared: bool) -> None:
     q, entries, count, owner = case(9)
@@ -270,14 +306,14 @@ def test_a_gather_pads_a_kv_head_with_fewer_leaves_and_the_padding_is_never_atte
     assert gathered.valid is not None and not bool(gathered.valid.all())
 
 
-def test_last_query_is_each_heads_last_row_and_keeps_no_other() -> None:
+def test_query_units_is_each_heads_last_row_and_keeps_no_other() -> None:
     """Kept per layer between forwards: a view would keep every query's row alive (the score
     matrix of a chunk, growing with the units)."""
     L, U = 3, 7
     rows = torch.randn(B, HKV, G * L, U, dtype=torch.float64)  # heads first
-    last = last_query(rows, G, L)  # (B, H, U)
+    last = query_units(rows, G, L)  # (B, H, U)
     want = torch.stack([rows[:, h // G, (h % G) * L + L - 1] for h in range(H)], dim=1)
     assert torch.equal(last, want)
     assert last.untyped_storage().nbytes() == last.numel() * last.element_size()
     one = torch.randn(B, HKV, 1, U, dtype=torch.float64)  # one row for every head and query
-    assert torch.equal(last_query(one, G, L), one.expand(B, HKV, G, U).reshape(B, H, U))
+    assert torch.equal(query_units(one, G, L), one.expand(B, HKV, G, U).reshape(B, H, U))

@@ -20,12 +20,18 @@ from longkv.caches.bounded import BoundedConfig
 from longkv.caches.eviction import SnapKVConfig, SnapKVRunner
 from longkv.caches.infllm import InfLLMConfig, InfLLMRunner
 from longkv.caches.methods import BoundedOptions, keeps_positions, make_runner
-from longkv.caches.naive import bound_scores_naive, routed_attention_naive
+from longkv.caches.naive import (
+    block_units_naive,
+    bound_scores_naive,
+    routed_attention_naive,
+    row_units_naive,
+    slot_scores_naive,
+)
 from longkv.caches.quest import QuestConfig, QuestRunner
 from longkv.caches.retrieval import RetrievalRunner
-from longkv.caches.routed import block_units, bound_scores, grouped, last_query, top_units
+from longkv.caches.routed import bound_scores, query_units
 from longkv.caches.streaming import StreamingRunner
-from longkv.caches.two_level import TwoLevelRunner, slot_scores
+from longkv.caches.two_level import TwoLevelRunner
 from longkv.fold import fold_generate, kv_fold
 
 
@@ -75,16 +81,18 @@ def test_opening_fewer_slots_reads_less_and_differs_from_both_ends(routing: str)
 
 @pytest.mark.parametrize("store", ["exact", "file"])
 @pytest.mark.parametrize("routing", ["block", "token"])
-@pytest.mark.parametrize("score", ["mean", "box"])
+@pytest.mark.parametrize(("score", "variance"), [("mean", 0.0), ("mean", 0.7), ("box", 0.0)])
 def test_a_layers_attention_is_the_per_query_reference_over_its_own_cache(
-    store: str, routing: str, score: str
+    store: str, routing: str, score: str, variance: float
 ) -> None:
     """A layer's attention over the runner's cache and leaves (float64) equals the per-query
-    reference opening the slots its routing opens by its slot score (1e-10)."""
+    reference opening the slots its routing opens by its slot score, written out from the
+    leaves (1e-10): the mean key + log count, with or without the variance term, or the key
+    bounds; per query head within the leaf budget (token), or per block."""
     model, ids = tiny_hf("llama", torch.float64), ids_of()
     config = KVMFoldConfig(
-        budget=26, sinks=2, window=16, open=2, leaves=store, routing=routing, leaf_budget=10,
-        slot_score=score,
+        budget=26, sinks=2, window=16, open=3, leaves=store, routing=routing, leaf_budget=10,
+        slot_score=score, slot_variance=variance,
     )  # fmt: skip
     runner = make_runner(model, config)
     assert isinstance(runner, TwoLevelRunner)
@@ -103,14 +111,16 @@ def test_a_layers_attention_is_the_per_query_reference_over_its_own_cache(
     assert sinks.keys.shape[2] == 2 and slots.keys.shape[2] == S
     every = leaves.gather(None, torch.float64)
     if score == "mean":
-        rank = slot_scores(grouped(q, 2), slots.keys, count, 0.3)
-    else:  # (B, H, L, S) -> each KV head's query heads' rows (B, Hkv, G * L, S)
-        rank = bound_scores_naive(q, every.keys, every.owner, S, 0.3).reshape(2, 2, 2 * L, S)
-    torch.testing.assert_close(runner.last_scores[0], last_query(rank, 2, L), rtol=0, atol=TOL)
-    if routing == "block":
-        opened = block_units(rank, count, 10).repeat_interleave(2, dim=1).expand(2, 4, L, S)
+        rank = slot_scores_naive(q, every.keys, every.owner, S, 0.3, variance)
     else:
-        opened = top_units(rank, 2).reshape(2, 4, L, S)
+        rank = bound_scores_naive(q, every.keys, every.owner, S, 0.3)
+    rank = rank.reshape(2, 2, 2 * L, S)  # (B, H, L, S) -> each KV head's rows (B, Hkv, G * L, S)
+    torch.testing.assert_close(runner.last_scores[0], query_units(rank, 2, L), rtol=0, atol=TOL)
+    if routing == "block":
+        opened = block_units_naive(rank, count, 10).repeat_interleave(2, dim=1)
+        opened = opened.expand(2, 4, L, S)
+    else:
+        opened = row_units_naive(rank, count, 3, 10).reshape(2, 4, L, S)
     entries = {"sinks": sinks, "slots": slots, "window": window, "chunk": (keys, values)}
     entries["leaves"] = (every.keys, every.values)
     want = routed_attention_naive(q, entries, count, every.owner, opened, 0.3)
@@ -263,14 +273,17 @@ def test_a_units_bounds_hold_its_keys_and_its_score_bounds_every_logit_in_it(
 
 @pytest.mark.parametrize("k", [1, 3, 8])
 @pytest.mark.parametrize("routing", ["token", "block"])
-def test_the_needle_route_ranks_each_leaving_tokens_slot_for_the_last_query(
+def test_the_needle_route_ranks_each_leaving_tokens_slot_for_the_query_units(
     k: int, routing: str
 ) -> None:
     """Against a per-token count: a token that left the window is routed by a query head when
     the head opened its slot (per token: fewer than k slots score above it, earlier slots
     first on ties); tokens still in the window count in `left` only."""
     model, ids = tiny_hf("llama", torch.float64), ids_of()
-    config = KVMFoldConfig(budget=26, sinks=2, window=16, open=k, routing=routing, leaf_budget=6)
+    budget = 6 if routing == "block" else None  # token: each query head's k best, unbounded
+    config = KVMFoldConfig(
+        budget=26, sinks=2, window=16, open=k, routing=routing, leaf_budget=budget
+    )
     runner = make_runner(model, config)
     assert isinstance(runner, TwoLevelRunner)
     bounded_fold(runner, ids, 8)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -25,109 +25,16 @@ from transformers import DynamicCache
 
 from longkv.attention.rope import angles_at, rotate
 from longkv.attention.state import tensor_bytes
-from longkv.checks import refuse, require, setting
+from longkv.caches.model import check_bounded, layer_windows
+from longkv.checks import require, setting
 from longkv.decoding import Pick, greedy
 from longkv.fold import compat
 from longkv.fold.attention import AttentionHooks, hooked
 from longkv.fold.fold import FoldResult, check_input, score_chunks
 from longkv.fold.generate import continue_decode
 
-STATIC_ROPE = {"default", "linear", "llama3", "yarn"}
 # the chunk read where none is given, at most the window (docs/kvfold.md, "The default chunk")
 STREAM_CHUNK = 64
-
-
-def check_budget(model: nn.Module, budget: int) -> None:
-    """Refuse the argument `budget` unless a cache of budget entries fits the model's positions.
-
-    A bounded cache places its entries and the chunk it reads at positions 0 .. budget - 1,
-    never past them, so this is the only position limit it has (it never extrapolates).
-    """
-    limit = getattr(model.config, "max_position_embeddings", None)
-    require(
-        limit is None or budget <= limit, None, "budget",
-        f"a budget of {budget} cache positions exceeds the model's max_position_embeddings = "
-        f"{limit}; use a smaller budget",
-    )  # fmt: skip
-
-
-def layer_windows(model: nn.Module) -> list[int | None]:
-    """Per decoder layer, the sliding window its attention keeps (None: it attends every
-    token): the layer's own `sliding_window` (Gemma 3, Qwen2), else its layer type's, else the
-    config's for every layer (Mistral)."""
-    config = model.config
-    layers = getattr(getattr(model, "model", None), "layers", None) or ()
-    types = getattr(config, "layer_types", None)
-    window = getattr(config, "sliding_window", None)
-    out: list[int | None] = []
-    for i in range(config.num_hidden_layers):
-        attn = getattr(layers[i], "self_attn", None) if i < len(layers) else None
-        if hasattr(attn, "sliding_window"):
-            out.append(attn.sliding_window)
-        else:  # the layer type's window; with no types, every layer's (Mistral)
-            out.append(window if types is None or types[i] == "sliding_attention" else None)
-    return out
-
-
-def rope_tables(model: nn.Module) -> list[Tensor] | str:
-    """Per decoder layer, the RoPE inv_freq (D / 2,) float64 of its layer type (Gemma 3 keeps
-    one table per type, `sliding_attention_inv_freq`, `full_attention_inv_freq`), or why a
-    cached key of this model cannot be rotated to a new position."""
-    config = model.config
-    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
-    params = getattr(config, "rope_parameters", None)
-    if rotary is None or params is None:
-        return "its positions are learned embeddings, not rotary ones, so they cannot be moved"
-    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-    tables: list[Tensor] = []
-    for kind in types:
-        per_type = params.get(kind) if isinstance(params.get(kind), dict) else None
-        rope_type = (per_type or params).get("rope_type", "default")
-        if rope_type not in STATIC_ROPE:
-            return (
-                f"its RoPE ({kind} layers: rope_type {rope_type!r}) changes with the input's "
-                f"length, so a cached key cannot be re-rotated (static RoPE types: "
-                f"{sorted(STATIC_ROPE)})"
-            )
-        inv_freq = getattr(rotary, f"{kind}_inv_freq", None) if per_type else rotary.inv_freq
-        if not isinstance(inv_freq, Tensor):
-            return f"its rotary embedding has no inv_freq table for its {kind} layers"
-        tables.append(inv_freq.detach().to(torch.float64))
-    return tables
-
-
-def check_bounded(model: nn.Module, budget: int, method: str) -> list[Tensor]:
-    """Refuse the argument `model` (or `budget`) unless a cache of `budget` entries with
-    positions inside it (the `method`) can run on the model; return its RoPE inv_freq per
-    layer (`rope_tables`). Sliding-window layers keep their own window; the method bounds the
-    other layers."""
-    if not compat.keeps_keys_and_values(model):
-        refuse(
-            None, "model",
-            f"{method} evicts and re-rotates per-layer cached keys and values, but "
-            f"{type(model).__name__} carries KVM states and window caches instead; run it with "
-            "KV-Fold (its own chunked prefill) or full attention",
-        )  # fmt: skip
-    name = type(model).__name__
-    tables = rope_tables(model)
-    if isinstance(tables, str):
-        refuse(None, "model", f"{method} moves cached keys to new positions, but {name}: {tables}")
-    if getattr(model.config, "attn_logit_softcapping", None):
-        refuse(
-            None, "model",
-            f"{method} runs longkv's attention, which does not soft-cap attention logits as "
-            f"{name} does (attn_logit_softcapping); read it with the fold or full attention",
-        )  # fmt: skip
-    windows = layer_windows(model)
-    if all(w is not None for w in windows):
-        refuse(
-            None, "model",
-            f"{method} has no layer of {name} to bound: every layer attends a sliding window "
-            f"({sorted(set(windows))} tokens), so its cache is bounded already; read it with "
-            "the fold",
-        )  # fmt: skip
-    check_budget(model, budget)
-    return tables
 
 
 @dataclass(frozen=True)
@@ -194,6 +101,19 @@ class BoundedConfig:
         return self.budget - self.sinks - self.window_len
 
 
+@dataclass
+class Watched:
+    """Where the query of one watched input token looked (`BoundedRunner.watch`): the sinks,
+    tokens 0 .. sinks - 1, and the window and chunk from token `recent` up to its own; in a
+    retrieval cache, per layer, the units each query head opened (B, H, U) among the layer's
+    first `leaves` leaves (None: the layer routed nothing)."""
+
+    sinks: int
+    recent: int
+    opened: list[Tensor | None] = field(default_factory=list)
+    leaves: list[int] = field(default_factory=list)
+
+
 class BoundedRunner:
     """The cache of a bounded policy and the count of tokens read; subclasses say what the
     middle holds (`middle`, `middle_count`: nothing by default), what happens to tokens leaving
@@ -222,6 +142,9 @@ class BoundedRunner:
         self.cache = DynamicCache()
         # per forward (and layer, where heads differ): first position, queries, share sum, max
         self.attended: list[tuple[int, int, float, float]] = []
+        # input tokens whose queries' exact entries to keep (`exact_tokens`), and what was kept
+        self.watch: set[int] = set()
+        self.watched: dict[int, Watched] = {}
 
     # what a policy provides
     @property
@@ -278,6 +201,27 @@ class BoundedRunner:
         (subclasses with more parts add their own keys)."""
         exact = tensor_bytes(*self.sink_k, *self.sink_v, *self.window_k, *self.window_v)
         return {"bounded": exact + self.middle_bytes()}
+
+    def exact_tokens(self, token: int) -> list[Tensor | None]:
+        """Per layer, which input tokens 0 .. token the query of a watched token attended as
+        they are, (B, H, token + 1) bool (None for a sliding layer, which keeps its own window):
+        the sinks, the window and the chunk up to itself (the middle summarises); a retrieval
+        cache adds the leaves of the units each query head opened."""
+        if token not in self.watched:
+            raise ValueError(f"token: {token} was not watched; add it to the runner's watch first")
+        seen = self.watched[token]
+        heads = self.model.config.num_attention_heads
+        out: list[Tensor | None] = []
+        for layer, window in enumerate(self.windows):
+            if window is not None:
+                out.append(None)
+                continue
+            B, device = self.window_k[layer].shape[0], self.window_k[layer].device
+            mask = torch.zeros(B, heads, token + 1, dtype=torch.bool, device=device)
+            mask[..., : seen.sinks] = True
+            mask[..., seen.recent :] = True
+            out.append(mask)
+        return out
 
     def middle_bytes(self) -> int:
         """Bytes of what the middle keeps, over layers."""
@@ -370,6 +314,11 @@ class BoundedRunner:
         another `output`, `compat.OUTPUTS`)."""
         B, L = ids.shape
         to_sinks = self.make_room(L)
+        layers = len(self.windows)
+        for token in self.watch & set(range(self.seen, self.seen + L)):
+            sinks = self.sink_k[self.ref].shape[2] if self.seen else 0
+            recent = self.seen - self.window_count
+            self.watched[token] = Watched(sinks, recent, [None] * layers, [0] * layers)
         cache = self.build_cache()
         first = self.position
         pos = torch.arange(first, first + L, device=ids.device).expand(B, L)
@@ -415,6 +364,24 @@ def bounded_fold(
     )  # fmt: skip
 
 
+def read_prompt(
+    runner: BoundedRunner,
+    input_ids: Tensor,
+    chunk_size: int | None,
+    *,
+    progress: bool = False,
+    desc: str | None = None,
+) -> Tensor:
+    """Read a prompt (B, T) to answer it: all but its last token in chunks (as `bounded_fold`),
+    the last on its own, as the first step of decoding; returns its logits (B, V)."""
+    if input_ids.shape[1] > 1:
+        bounded_fold(
+            runner, input_ids[:, :-1], chunk_size, score=False, progress=progress, desc=desc
+        )
+    with torch.inference_mode():
+        return runner.forward(input_ids[:, -1:], "last")[:, -1]
+
+
 def bounded_generate(
     runner: BoundedRunner,
     input_ids: Tensor,
@@ -437,12 +404,7 @@ def bounded_generate(
     routes it per query head, where a prefill chunk's queries route together), as InfLLM's
     reference reads it."""
     runner.check_room(input_ids.shape[1] + max_new_tokens - 1)  # the last token is not read
-    if input_ids.shape[1] > 1:
-        bounded_fold(
-            runner, input_ids[:, :-1], chunk_size, score=False, progress=progress, desc=desc
-        )
-    with torch.inference_mode():
-        logits = runner.forward(input_ids[:, -1:], "last")[:, -1]
+    logits = read_prompt(runner, input_ids, chunk_size, progress=progress, desc=desc)
     if after_prompt is not None:
         after_prompt()
     return continue_decode(

@@ -190,8 +190,10 @@ class InfLLMRunner(RetrievalRunner):
         if reps is not None:
             score[:, :full] = block_scores(q_mem, reps.to(q_mem.dtype))
         opened[:, 0, 0] = top_units(score, config.open + U - full)
-        self.remember(layer, score.unsqueeze(1).expand(B, H, U), opened[:, 0].expand(B, H, U))
         Hkv = store.owner.tensor.shape[1]
+        shared = (B, Hkv, 1, U)  # one row for every query head and query
+        G, L = H // Hkv, q_mem.shape[2]
+        self.remember(layer, score[:, None, None].expand(shared), opened.expand(shared), G, L)
         return opened, count, store.gather(opened[:, 0].expand(B, Hkv, U), q_mem.dtype)
 
     def receive(

@@ -94,6 +94,18 @@ class KVMFoldConfig(BoundedConfig):
         "per-channel bounds of the slot's rotated keys can give, as Quest scores pages)",
         choices=SLOT_SCORES,
     )
+    slot_variance: float = setting(
+        0.0,
+        "two-level KVM-Fold, slot score mean: the weight of the variance term added to a "
+        "slot's score, 1/2 scale^2 |q|^2 (mean |k|^2 - |mean k|^2) / head_dim (a Gaussian "
+        "estimate of how far the slot's mass exceeds its mean key's; 0: none)",
+    )
+    rerank: int = setting(
+        0,
+        "two-level KVM-Fold: a decoded token's query heads take their best slots by score "
+        "within this many leaves as candidates and open those of largest exact mass (the "
+        "log-sum-exp of their leaves' logits) within leaf_budget (0: open by score alone)",
+    )
     routing: str = setting(
         "block",
         "two-level KVM-Fold: who opens slots in a prefill chunk: block (its queries together, the "
@@ -139,6 +151,16 @@ class KVMFoldConfig(BoundedConfig):
         require(self.leaves in LEAF_STORES, self, "leaves", f"must be one of {LEAF_STORES}")
         require(self.slot_key in SLOT_KEYS, self, "slot_key", f"must be one of {SLOT_KEYS}")
         require(self.slot_score in SLOT_SCORES, self, "slot_score", f"must be one of {SLOT_SCORES}")
+        require_at_least(0, self, "slot_variance", "rerank")
+        require(
+            self.open or not self.rerank, self, "rerank",
+            "only two-level KVM-Fold (open > 0) opens slots to rank them by their leaves",
+        )  # fmt: skip
+        require(
+            not self.slot_variance or (self.open and self.slot_score == "mean"), self,
+            "slot_variance", "only two-level KVM-Fold (open > 0) ranking slots by their mean "
+            "(slot_score mean) adds the variance term",
+        )  # fmt: skip
         require(self.routing in ROUTINGS, self, "routing", f"must be one of {ROUTINGS}")
         if self.leaf_budget is not None:
             require_at_least(1, self, "leaf_budget")
@@ -189,6 +211,10 @@ class KVMFoldConfig(BoundedConfig):
             options.append(f"merges above cosine {self.merge_threshold:g}")
         if self.open:
             ranked = " (ranked by their key bounds)" if self.slot_score == "box" else ""
+            if self.slot_variance:
+                ranked = f" (ranked with the variance term x {self.slot_variance:g})"
+            if self.rerank:
+                ranked += f" (decoding: reranked by exact mass among {self.rerank} leaves)"
             opens = f"each query head opens {self.open}{ranked} to their {self.leaves} tokens"
             options.append(opens)
             if self.routing == "block":

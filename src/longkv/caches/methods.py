@@ -27,13 +27,12 @@ from longkv.caches.bounded import (
     BoundedRunner,
     bounded_fold,
     bounded_generate,
-    check_bounded,
-    check_budget,
 )
 from longkv.caches.eviction import SnapKVConfig, SnapKVRunner
 from longkv.caches.infllm import InfLLMConfig, InfLLMRunner
 from longkv.caches.kvm_fold import STATES, KVMFoldConfig, KVMFoldRunner
 from longkv.caches.leaves import LEAF_STORES
+from longkv.caches.model import check_bounded, check_budget
 from longkv.caches.quest import QuestConfig, QuestRunner
 from longkv.caches.retrieval import RetrievalRunner, places_inside
 from longkv.caches.routed import POSITIONS, ROUTINGS
@@ -43,6 +42,7 @@ from longkv.checks import mirror, refused_as, require, require_at_least, setting
 from longkv.decoding import Pick, greedy
 from longkv.fold.fold import FOLD_CHUNK, FoldResult
 from longkv.fold.generate import fold_generate
+from longkv.results import markdown_table
 
 BOUNDED = ("streaming", "snapkv", "kvm-fold", "quest", "infllm")
 # how a frozen model holds a long input's keys and values
@@ -94,6 +94,8 @@ class BoundedOptions:
     )
     kvm_slot_key: str = mirror(KVMFoldConfig, "slot_key", "kvm-fold: ")
     kvm_slot_score: str = mirror(KVMFoldConfig, "slot_score", "kvm-fold: ")
+    kvm_slot_variance: float = mirror(KVMFoldConfig, "slot_variance", "kvm-fold: ")
+    kvm_rerank: int = mirror(KVMFoldConfig, "rerank", "kvm-fold: ")
     kvm_leaf_dir: str | None = mirror(KVMFoldConfig, "leaf_dir", "kvm-fold: ")
     kvm_lod_factor: float = mirror(KVMFoldConfig, "lod_factor", "kvm-fold ")
     kvm_lod_floor: int = mirror(KVMFoldConfig, "lod_floor", "kvm-fold ")
@@ -182,6 +184,8 @@ class BoundedOptions:
                             leaf_budget=self.leaf_budget or None,
                             slot_key=self.kvm_slot_key if k else "rotated",  # coarse: not read
                             slot_score=self.kvm_slot_score if k else "mean",
+                            slot_variance=self.kvm_slot_variance if k else 0.0,
+                            rerank=self.kvm_rerank if k else 0,
                             positions=self.positions if k else "exact",
                         )))  # fmt: skip
         configs = {config_label(method, config): config for method, config in made}
@@ -231,16 +235,18 @@ class BoundedOptions:
         return out
 
 
-def two_level_tag(k: int, leaves: str, slot_key: str, slot_score: str, positions: str) -> str:
-    """The label part of a kvm-fold run opening k slots: "" (coarse), "/open8", with the options
-    that differ from the default after it: "/open8/int8/centred/box/inside"."""
-    if not k:
+def two_level_tag(config: KVMFoldConfig) -> str:
+    """The label part of a kvm-fold run by what it opens: "" (coarse), "/open8", with the options
+    that differ from the default after it: "/open8/int8/centred/box/inside", "/open8/var1"."""
+    if not config.open:
         return ""
-    options = [leaves] if leaves != "exact" else []
-    options += [slot_key] if slot_key != "rotated" else []
-    options += [slot_score] if slot_score != "mean" else []
-    options += [positions] if positions != "exact" else []
-    return "/".join(["", f"open{k}", *options])
+    options = [config.leaves] if config.leaves != "exact" else []
+    options += [config.slot_key] if config.slot_key != "rotated" else []
+    options += [config.slot_score] if config.slot_score != "mean" else []
+    options += [f"var{config.slot_variance:g}"] if config.slot_variance else []
+    options += [f"rerank{config.rerank}"] if config.rerank else []
+    options += [config.positions] if config.positions != "exact" else []
+    return "/".join(["", f"open{config.open}", *options])
 
 
 def config_label(method: str, config: BoundedConfig) -> str:
@@ -248,10 +254,7 @@ def config_label(method: str, config: BoundedConfig) -> str:
     "streaming@1024", "kvm-fold/sqrt/open8/int8@1024"; a retrieval run placing positions inside
     says so ("quest/inside@1024")."""
     if isinstance(config, KVMFoldConfig):
-        tag = two_level_tag(
-            config.open, config.leaves, config.slot_key, config.slot_score, config.positions
-        )
-        return f"kvm-fold/{config.state}{tag}@{config.budget}"
+        return f"kvm-fold/{config.state}{two_level_tag(config)}@{config.budget}"
     inside = "/inside" if places_inside(config) else ""
     return f"{method}{inside}@{config.budget}"
 
@@ -362,3 +365,37 @@ def read_and_answer(
 def describe_runs(configs: dict[str, BoundedConfig]) -> str:
     """One phrase per bounded run: its label and how it splits its budget."""
     return "; ".join(f"{label}: {config.describe()}" for label, config in configs.items())
+
+
+def split_cells(config: BoundedConfig) -> list[str]:
+    """How a bounded run splits what a query attends: its sinks, its exact window, its middle
+    (read-outs or kept tokens, "-" for none) and the most leaves it opens exactly beside them
+    ("-" for none), and the most exact entries a query attends (sinks + window + leaves)."""
+    middle = "-"
+    opened: int | None = 0
+    if isinstance(config, KVMFoldConfig):
+        middle = f"{config.middle_len} slots"
+        if config.open:
+            opened = config.leaf_budget
+    elif isinstance(config, SnapKVConfig):
+        middle = f"{config.middle_len} kept"
+    elif isinstance(config, QuestConfig):
+        opened = None if config.leaf_budget is None else max(
+            config.leaf_budget, config.open * config.page
+        )  # fmt: skip
+    elif isinstance(config, InfLLMConfig):
+        opened = config.open * config.block
+    if opened is None:  # no bound: every leaf
+        return [str(config.sinks), str(config.window_len), middle, "all", "all"]
+    exact = config.sinks + config.window_len + opened
+    leaves = str(opened) if opened else "-"
+    return [str(config.sinks), str(config.window_len), middle, leaves, str(exact)]
+
+
+SPLIT_HEADER = ["sinks", "window", "middle", "leaves opened", "exact entries"]
+
+
+def split_table(configs: dict[str, BoundedConfig]) -> list[str]:
+    """Markdown: per bounded run, how it splits what a query attends (`split_cells`)."""
+    rows = [[label, *split_cells(config)] for label, config in configs.items()]
+    return markdown_table(["run", *SPLIT_HEADER], rows, "<" + ">" * len(SPLIT_HEADER))

@@ -83,6 +83,36 @@ def top_units_naive(rank: Tensor, k: int) -> list[int]:
     return sorted(range(rank.shape[0]), key=lambda i: (-float(rank[i]), i))[:k]
 
 
+def fill_naive(
+    key: list[float], count: list[float], leaf_budget: int | None, most: int | None
+) -> list[int]:
+    """The units taken in descending order of key (the earlier on ties) while their leaves fit
+    leaf_budget, skipping those that do not, at most `most` of them (None: no bound)."""
+    taken: list[int] = []
+    used = 0.0
+    for i in sorted(range(len(key)), key=lambda i: (-key[i], i)):
+        if most is not None and len(taken) == most:
+            break
+        if leaf_budget is not None and used + count[i] > leaf_budget:
+            continue  # it does not fit: the next units are still tried
+        used += count[i]
+        taken.append(i)
+    return taken
+
+
+def row_units_naive(rank: Tensor, count: Tensor, k: int, leaf_budget: int | None) -> Tensor:
+    """`longkv.caches.routed.row_units` written out per row: (B, Hkv, R, U) bool."""
+    B, Hkv, R, U = rank.shape
+    out = torch.zeros(B, Hkv, R, U, dtype=torch.bool)
+    for b in range(B):
+        for h in range(Hkv):
+            for r in range(R):
+                sizes = [float(c) for c in count[b, h]]
+                for i in fill_naive([float(x) for x in rank[b, h, r]], sizes, leaf_budget, k):
+                    out[b, h, r, i] = True
+    return out
+
+
 def block_units_naive(rank: Tensor, count: Tensor, leaf_budget: int | None) -> Tensor:
     """`longkv.caches.routed.block_units` written out per row and unit: (B, Hkv, 1, U) bool."""
     B, Hkv, R, U = rank.shape
@@ -95,11 +125,7 @@ def block_units_naive(rank: Tensor, count: Tensor, leaf_budget: int | None) -> T
                 total = sum(math.exp(x - max(row)) for x in row)
                 for i in range(U):
                     share[i] = max(share[i], math.exp(row[i] - max(row)) / total)
-            used = 0.0
-            for i in sorted(range(U), key=lambda i: (-share[i], i)):
-                used += float(count[b, h, i])
-                if leaf_budget is not None and used > leaf_budget:
-                    break
+            for i in fill_naive(share, [float(c) for c in count[b, h]], leaf_budget, None):
                 out[b, h, 0, i] = True
     return out
 
@@ -164,6 +190,31 @@ def routed_attention_naive(
                 weights = [math.exp(lg - top) for lg, _ in seen]
                 total = sum(weights)
                 out[b, h, t] = sum(w * v for w, (_, v) in zip(weights, seen, strict=True)) / total
+    return out
+
+
+def slot_scores_naive(
+    q: Tensor, leaf_k: Tensor, owner: Tensor, units: int, scale: float, variance: float = 0.0
+) -> Tensor:  # fmt: skip
+    """Two-level KVM-Fold's slot scores written out from the leaves: for each query head and
+    query of q (B, H, T, D) and each of `units` units, owning the leaves leaf_k (B, Hkv, n, D)
+    of its KV head whose owner (B, Hkv, n) it is, scale q . mean + log(count) + variance * 1/2
+    scale^2 |q|^2 (mean |k|^2 - |mean k|^2) / D. Returns (B, H, T, units)."""
+    B, H, T, D = q.shape
+    Hkv = leaf_k.shape[1]
+    out = torch.zeros(B, H, T, units, dtype=q.dtype)
+    for b in range(B):
+        for h in range(H):
+            g = h // (H // Hkv)
+            for u in range(units):
+                members = leaf_k[b, g][owner[b, g] == u]
+                mean = members.mean(0)
+                spread = float((members * members).sum(-1).mean()) - float(mean @ mean)
+                for t in range(T):
+                    x = q[b, h, t]
+                    term = 0.5 * scale**2 * float(x @ x) * max(spread, 0.0) / D
+                    score = scale * float(x @ mean) + math.log(len(members)) + variance * term
+                    out[b, h, t, u] = score
     return out
 
 

@@ -37,7 +37,6 @@ from longkv.caches.routed import (
     block_units,
     bound_scores,
     grouped,
-    last_query,
     routed_attention,
     top_units,
     widen_bounds,
@@ -155,7 +154,7 @@ class QuestRunner(RetrievalRunner):
                 opened = block_units(rank, count.to(high), config.leaf_budget)
             else:
                 opened = top_units(rank, config.open)
-            self.remember(layer, last_query(rank, G, L), last_query(opened, G, L))
+            self.remember(layer, rank, opened, G, L)
             window = recent.keys.shape[2]
             self.tally(attended_entries(opened, count, sinks.keys.shape[2], window, L, False))
             got = store.gather(opened.any(2), high)

@@ -37,7 +37,7 @@ from transformers import DynamicCache
 from longkv.attention.rope import angles_at, rotate
 from longkv.caches.bounded import BoundedConfig, BoundedRunner
 from longkv.caches.leaves import LeafStore, make_leaves
-from longkv.caches.routed import Part
+from longkv.caches.routed import Part, query_units
 from longkv.fold.attention import Attend, AttentionHooks
 from longkv.fold.fold import check_positions
 
@@ -120,10 +120,18 @@ class RetrievalRunner(BoundedRunner):
         values (the model's cache holds nothing else, `build_cache`)."""
         raise NotImplementedError
 
-    def remember(self, layer: int, scores: Tensor, opened: Tensor) -> None:
-        """Keep the last query's unit scores (B, H, U) and opened units (B, H, U) bool of this
-        layer's forward (`routed.last_query`)."""
-        self.last_scores[layer], self.last_opened[layer] = scores, opened
+    def remember(self, layer: int, rank: Tensor, opened: Tensor, G: int, L: int) -> None:
+        """Keep what this layer's forward of L queries scored and opened, rank (B, Hkv, R, U)
+        and opened (B, Hkv, R, U) bool with R = G * L or 1 (`routed.query_units`): the last
+        query's per query head (`last_scores`, `last_opened`), and the units a watched token's
+        query opened (`watched`)."""
+        self.last_scores[layer] = query_units(rank, G, L)
+        self.last_opened[layer] = query_units(opened, G, L)
+        store = self.leaves[layer]
+        for token in self.watch & set(range(self.seen, self.seen + L)):
+            seen = self.watched[token]
+            seen.opened[layer] = query_units(opened, G, L, token - self.seen)
+            seen.leaves[layer] = 0 if store is None else len(store)
 
     def routes(self) -> bool:
         """Whether the next forward runs the method's attention (`attend`): once tokens have left
@@ -221,6 +229,19 @@ class RetrievalRunner(BoundedRunner):
             "routed": float(torch.cat(routed).double().mean()),
             "slot_rank": float(rank.double().median()),
         }
+
+    def exact_tokens(self, token: int) -> list[Tensor | None]:
+        """The bounded cache's exact entries (`BoundedRunner.exact_tokens`) and the leaves of the
+        units each query head opened (leaf j is token sinks + j)."""
+        out = super().exact_tokens(token)
+        seen = self.watched[token]
+        for mask, opened, store, n in zip(out, seen.opened, self.leaves, seen.leaves, strict=True):
+            if mask is None or opened is None or store is None or not n:
+                continue
+            owner = store.owner.tensor[:, :, :n, 0]  # (B, Hkv, n)
+            owner = owner.repeat_interleave(opened.shape[1] // owner.shape[1], dim=1)
+            mask[..., seen.sinks : seen.sinks + n] |= opened.gather(-1, owner)
+        return out
 
     def resident_bytes(self) -> dict[str, int]:
         """Bytes held now, over layers: the bounded part, the leaves in memory (with their

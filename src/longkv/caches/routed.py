@@ -52,20 +52,66 @@ def top_units(rank: Tensor, k: int) -> Tensor:
     return above | (tied & (tied.cumsum(-1) <= room))  # the earlier tied units first
 
 
+def fill_units(
+    key: Tensor, count: Tensor, leaf_budget: int | None, most: int | None = None
+) -> Tensor:  # fmt: skip
+    """(..., U) bool: units taken in descending order of key (..., U) (the earlier unit on
+    ties) while their leaves, count (..., U), fit leaf_budget: a unit that does not fit what the
+    units taken before it leave is skipped and the next ones are still tried (None: no bound);
+    at most `most` of them (None: no bound)."""
+    order = key.argsort(dim=-1, descending=True, stable=True)
+    size = count.gather(-1, order)  # the units' leaves in that order
+    taken = torch.ones_like(size, dtype=torch.bool)
+    at = torch.arange(size.shape[-1], device=size.device)
+    while leaf_budget is not None:  # each pass settles every row up to its first unit past it
+        total = (size * taken).cumsum(-1)
+        over = taken & (total > leaf_budget)
+        if not bool(over.any()):
+            break
+        first = over.int().argmax(-1, keepdim=True)  # a row's first unit past the budget
+        room = leaf_budget - (total - size).gather(-1, first)  # what the units before it leave
+        taken &= ~((at >= first) & (size > room) & over.any(-1, keepdim=True))
+    if most is not None:
+        taken &= taken.cumsum(-1) <= most
+    return torch.zeros_like(taken).scatter(-1, order, taken)
+
+
 def block_units(rank: Tensor, count: Tensor, leaf_budget: int | None) -> Tensor:
     """(B, Hkv, 1, U) bool: the units a block of rows opens together. rank (B, Hkv, R, U): each
     row's scores; count (B, Hkv, U): each unit's leaves.
 
     Units are ranked by the largest share any row gives them in its softmax over the scores
     (the earlier unit on equal shares) and taken in that order while their leaves fit
-    leaf_budget, so a unit opens only if it and every unit ranked before it fit (None: every
-    unit)."""
+    leaf_budget, skipping those that do not (`fill_units`; None: every unit)."""
     if leaf_budget is None:
         return torch.ones_like(rank[:, :, :1], dtype=torch.bool)
     share = torch.softmax(rank, dim=-1).amax(2)  # (B, Hkv, U)
-    order = share.argsort(dim=-1, descending=True, stable=True)
-    fits = count.gather(-1, order).cumsum(-1) <= leaf_budget
-    return torch.zeros_like(fits).scatter(-1, order, fits).unsqueeze(2)
+    return fill_units(share, count, leaf_budget).unsqueeze(2)
+
+
+def row_units(rank: Tensor, count: Tensor, k: int, leaf_budget: int | None) -> Tensor:
+    """(B, Hkv, R, U) bool: the units each row opens on its own, its k best by rank (B, Hkv, R,
+    U) (the earlier unit on ties) whose leaves, count (B, Hkv, U), fit leaf_budget, skipping
+    those that do not (`fill_units`; None: its k best, `top_units`)."""
+    if leaf_budget is None:
+        return top_units(rank, k)
+    return fill_units(rank, count.unsqueeze(2).expand_as(rank), leaf_budget, k)
+
+
+def leaf_mass(q: Tensor, got: Gathered, candidates: Tensor, scale: float) -> Tensor:
+    """(B, Hkv, R, U): each row's exact log-mass of each of its candidate units, the log-sum-exp
+    of scale * q . k over the unit's leaves among `got` (gathered with every candidate's), -inf
+    for a unit that is not one of the row's candidates (B, Hkv, R, U bool); q (B, Hkv, R, D)."""
+    logits = scale * q @ got.keys.transpose(-1, -2)  # (B, Hkv, R, n)
+    owner = got.owner.unsqueeze(2).expand_as(logits)
+    mine = candidates.gather(-1, owner)
+    if got.valid is not None:
+        mine = mine & got.valid.unsqueeze(2)
+    logits = logits.masked_fill(~mine, float("-inf"))
+    top = torch.full_like(candidates, float("-inf"), dtype=logits.dtype)
+    top = top.scatter_reduce(-1, owner, logits, "amax").nan_to_num(neginf=0.0)
+    summed = torch.zeros_like(top).scatter_add(-1, owner, (logits - top.gather(-1, owner)).exp())
+    return top + summed.log()
 
 
 def bound_scores(q: Tensor, key_max: Tensor, key_min: Tensor, scale: float) -> Tensor:
@@ -101,13 +147,13 @@ def grouped(q: Tensor, Hkv: int) -> Tensor:
     return q.reshape(B, Hkv, H // Hkv * L, D)
 
 
-def last_query(rows: Tensor, G: int, L: int) -> Tensor:
-    """(B, Hkv * G, U): each query head's row of the last query, from rows (B, Hkv, R, U) with
-    R = G * L (heads first) or 1 (one row for every query head and query); never a view of more
-    rows, so that keeping it does not keep every row."""
+def query_units(rows: Tensor, G: int, L: int, i: int = -1) -> Tensor:
+    """(B, Hkv * G, U): each query head's row of query i of the L (default: the last), from rows
+    (B, Hkv, R, U) with R = G * L (heads first) or 1 (one row for every query head and query);
+    never a view of more rows, so that keeping it does not keep every row."""
     B, Hkv, R, U = rows.shape
-    last = rows.expand(B, Hkv, G, U) if R == 1 else rows.unflatten(2, (G, L))[:, :, :, -1]
-    return last.reshape(B, Hkv * G, U).contiguous()
+    row = rows.expand(B, Hkv, G, U) if R == 1 else rows.unflatten(2, (G, L))[:, :, :, i]
+    return row.reshape(B, Hkv * G, U).contiguous()
 
 
 def routed_bias(

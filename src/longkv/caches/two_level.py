@@ -45,24 +45,31 @@ from longkv.caches.routed import (
     block_units,
     bound_scores,
     grouped,
-    last_query,
+    leaf_mass,
     routed_attention,
-    top_units,
+    row_units,
     widen_bounds,
 )
 from longkv.fold.attention import Attend
 
 
-def slot_scores(q: Tensor, slot_k: Tensor, count: Tensor, scale: float) -> Tensor:
+def slot_scores(
+    q: Tensor, slot_k: Tensor, count: Tensor, scale: float, spread: Tensor | None = None
+) -> Tensor:  # fmt: skip
     """(B, Hkv, R, S): scale * q . slot_k + log(count) for the rows q (B, Hkv, R, D) of each KV
     head's query heads (`routed.grouped`) against its slots' read-out keys slot_k (B, Hkv, S, D),
-    count (B, Hkv, S) tokens per slot."""
+    count (B, Hkv, S) tokens per slot; with spread (B, Hkv, S), plus the variance term
+    1/2 scale^2 |q|^2 spread / D (`KVMFoldConfig.slot_variance`)."""
     B, Hkv, R, D = q.shape
     S = slot_k.shape[2]
     bias = count.log().reshape(B * Hkv, 1, S)
     flat_k = slot_k.reshape(B * Hkv, S, D).transpose(1, 2)
     rank = torch.baddbmm(bias, q.reshape(B * Hkv, R, D), flat_k, alpha=scale)  # one pass
-    return rank.view(B, Hkv, R, S)
+    rank = rank.view(B, Hkv, R, S)
+    if spread is None:
+        return rank
+    power = q.square().sum(-1, keepdim=True)  # (B, Hkv, R, 1)
+    return rank + (0.5 * scale**2 / D) * power * spread.unsqueeze(2)
 
 
 class TwoLevelRunner(RetrievalRunner, KVMFoldRunner):
@@ -77,8 +84,12 @@ class TwoLevelRunner(RetrievalRunner, KVMFoldRunner):
     def __init__(self, model: nn.Module, config: KVMFoldConfig, track: bool = False):
         super().__init__(model, config, track=track)
         layers = model.config.num_hidden_layers
-        # per slot: sums of its tokens' rotated keys and of their positions (B, Hkv, S, D + 1)
+        # per slot: sums of its tokens' keys as held, their squared norms and their positions
+        # (B, Hkv, S, D + 2)
         self.slot_sums: list[Rows | None] = [None] * layers
+        # per layer, with slot_variance: each slot's spread, the mean squared norm of its keys
+        # less that of their mean (B, Hkv, S), since the last update (`middle`)
+        self.spreads: list[Tensor | None] = [None] * layers
         # per layer: the read-outs of its slots since the last update (`middle`)
         self.readouts: list[tuple[Tensor, Tensor] | None] = [None] * layers
         # slot_score "box": per slot the per-channel max and min of its rotated keys
@@ -94,7 +105,9 @@ class TwoLevelRunner(RetrievalRunner, KVMFoldRunner):
         self.keep_leaves(layer, keys, values, dest)
         B, Hkv, m, _ = keys.shape
         positions = torch.arange(first, first + m, device=keys.device, dtype=torch.float64)
-        rows = torch.cat([keys.double(), positions.expand(B, Hkv, m).unsqueeze(-1)], dim=-1)
+        held = keys.double()
+        power = held.square().sum(-1, keepdim=True)
+        rows = torch.cat([held, power, positions.expand(B, Hkv, m).unsqueeze(-1)], dim=-1)
         sums = self.slot_sums[layer]
         sums = Rows.of(rows[:, :, :0]) if sums is None else sums
         state = self.states[layer]
@@ -113,9 +126,13 @@ class TwoLevelRunner(RetrievalRunner, KVMFoldRunner):
         if kept is not None:
             return kept
         dtype, count = self.window_k[layer].dtype, state.count.unsqueeze(-1)
-        means = sums.tensor / count  # (B, Hkv, S, D + 1): mean key as held, mean position
+        means = sums.tensor / count  # (B, Hkv, S, D + 2): mean key as held, |k|^2, position
+        mean_k = means[..., :-2]
+        if self.config.slot_variance:  # |k|^2 is the same rotated or not
+            spread = means[..., -2] - mean_k.square().sum(-1)
+            self.spreads[layer] = spread.clamp_min(0) * self.config.slot_variance
         if self.config.slot_key == "rotated":  # with positions inside: the mean un-rotated key
-            keys = means[..., :-1]
+            keys = mean_k
         else:  # the mean un-rotated key, rotated at the mean position
             cos, sin = angles_at(means[..., -1].reshape(-1), self.inv_freqs[layer])
             at = (*means.shape[:-1], -1)
@@ -142,14 +159,20 @@ class TwoLevelRunner(RetrievalRunner, KVMFoldRunner):
             q_mem = self.memory_query(layer, q).to(high) if self.inside else None
             rows = grouped(q.to(high) if q_mem is None else q_mem, Hkv)
             if bounds is None:  # slot_score "mean"
-                rank = slot_scores(rows, readouts.keys.to(high), count, scale)
+                spread = self.spreads[layer]
+                spread = None if spread is None else spread.to(high)
+                rank = slot_scores(rows, readouts.keys.to(high), count, scale, spread)
             else:
                 rank = bound_scores(rows, bounds[0].to(high), bounds[1].to(high), scale)
             if L > 1 and config.routing == "block":
                 opened = block_units(rank, count, config.leaf_budget)
+            elif L == 1 and config.rerank:  # candidates by score, opened by their exact mass
+                candidates = row_units(rank, count, rank.shape[-1], config.rerank)
+                mass = leaf_mass(rows, leaves.gather(candidates.any(2), high), candidates, scale)
+                opened = candidates & row_units(mass, count, config.open, config.leaf_budget)
             else:
-                opened = top_units(rank, config.open)
-            self.remember(layer, last_query(rank, G, L), last_query(opened, G, L))
+                opened = row_units(rank, count, config.open, config.leaf_budget)
+            self.remember(layer, rank, opened, G, L)
             window = recent.keys.shape[2]
             self.tally(attended_entries(opened, count, sinks.keys.shape[2], window, L, True))
             got = leaves.gather(opened.any(2), high)
@@ -164,4 +187,5 @@ class TwoLevelRunner(RetrievalRunner, KVMFoldRunner):
         """The states' bytes, their sums of rotated keys and positions and their key bounds."""
         sums = [s.tensor for s in self.slot_sums if s is not None]
         bounds = [t for b in self.bounds if b is not None for t in b]
-        return super().middle_bytes() + tensor_bytes(*sums, *bounds)
+        spreads = [s for s in self.spreads if s is not None]
+        return super().middle_bytes() + tensor_bytes(*sums, *bounds, *spreads)

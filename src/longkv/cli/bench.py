@@ -12,9 +12,11 @@ from longkv.bench import document as bench_document
 from longkv.bench import kvm as bench_kvm
 from longkv.bench import qa as bench_qa
 from longkv.bench import readme as bench_readme
+from longkv.bench import routing as bench_routing
 from longkv.bench import train as bench_train
 from longkv.cli.args import HelpFormatter, command
-from longkv.cli.common import LoadOptions, require_own_page
+from longkv.cli.common import LoadOptions, require_own_page, require_positions
+from longkv.results import provenance
 
 
 def configure(name: str, parser: argparse.ArgumentParser) -> None:
@@ -31,11 +33,18 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
          "questions about a shipped novel, by method and prompt, scored by string match"),
         ("readme", bench_readme, bench_readme.ReadmeBenchSettings, _run_bench_readme,
          "the README's Python blocks on text of realistic length, each statement bounded"),
+        ("routing", bench_routing, bench_routing.RoutingSettings, _run_bench_routing,
+         "the share of full attention's mass each bounded cache attends exactly, by length"),
     ):  # fmt: skip
         sub = benches.add_parser(
             bench, help=help_text, description=module.__doc__, formatter_class=HelpFormatter
         )
-        command(sub, run, *((LoadOptions,) if bench in ("document", "qa") else ()), settings)
+        loads = bench in ("document", "qa", "routing")
+        kept = "the finished measurements are beside the page (.partial.json)"
+        command(
+            sub, run, *((LoadOptions,) if loads else ()), settings,
+            kept=kept if bench == "routing" else None,
+        )  # fmt: skip
 
 
 def own_page(settings: Any) -> None:
@@ -89,3 +98,20 @@ def _run_bench_readme(args: argparse.Namespace, argv: list[str]) -> int:
     paths = bench_readme.write_page(report, settings)
     print(paths[1].read_text())
     return 0 if bench_readme.within_bound(report) else 1
+
+
+def _run_bench_routing(args: argparse.Namespace, argv: list[str]) -> int:
+    m, s = args.settings[LoadOptions], args.settings[bench_routing.RoutingSettings]
+    settings = {**asdict(s), "model": m.model}  # what the recall depends on
+    stem = Path(s.out_dir) / s.name
+    require_own_page(stem.with_suffix(".json"), settings, s)
+    model, tokenizer = m.load(s.dtype)
+    s.check_runs(model, s.methods)
+    longest = max(s.lengths)  # full attention's reference reads the longest input
+    require_positions(model, longest, s, "lengths", f"{longest} tokens", m.allow_extrapolation)
+    parts = bench_routing.run(model, tokenizer, s, settings, s.corpus_dir, m.allow_extrapolation)
+    payload = {"provenance": provenance(argv), "settings": settings, "parts": parts}
+    paths = bench_routing.write_page(parts, s, payload, f"longkv bench routing: {m.model}")
+    stem.with_suffix(".partial.json").unlink(missing_ok=True)
+    print(paths[1].read_text())
+    return 0

@@ -43,7 +43,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "longkv.cli.bounded",
         "bounded caches (streaming, snapkv, kvm-fold) against full: NLL, memory, needles",
     ),
-    "bench": ("longkv.cli.bench", "speed and memory benchmarks: bench kvm, bench train"),
+    "bench": (
+        "longkv.cli.bench",
+        "benchmarks: bench kvm, train, document, qa, readme, routing (recall of retrieval caches)",
+    ),
     "train": ("longkv.cli.train", "train a longkv language model from a YAML run"),
     "eval-loss": ("longkv.cli.train", "held-out loss of a trained run"),
     "eval": (

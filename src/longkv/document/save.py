@@ -40,7 +40,9 @@ from longkv.dtypes import DTYPES
 from longkv.models.pretrained import load_pretrained
 from longkv.version import __version__
 
-FORMAT = 1  # the save format: what the files are and what the manifest says
+# the save format: what the files are and what the manifest says (2: two-level KVM-Fold's slot
+# sums hold their keys' squared norms)
+FORMAT = 2
 MANIFEST, STATE, TENSORS = "manifest.json", "state.pkl", "tensors.pt"
 SAMPLES = 4096  # values of each parameter the weights' fingerprint reads
 # what a save may hold besides longkv's classes: transformers' cache, a few plain types, and

@@ -21,6 +21,20 @@ from longkv.results import write_atomic
 EXACT = {"full", "fold"}  # the methods that keep every token, in time quadratic in the length
 
 
+def grid_cells(
+    tasks: tuple[str, ...], lengths: tuple[int, ...], depths: tuple[float, ...], seed: int,
+    samples: int,
+) -> list[tuple[str, int, float, int]]:  # fmt: skip
+    """Every (task, length, depth, seed) of a needle grid; sample i of a cell has seed + i."""
+    return [
+        (task, n, d, seed + i)
+        for task in tasks
+        for n in lengths
+        for d in depths
+        for i in range(samples)
+    ]
+
+
 @dataclass(frozen=True)
 class NiahSettings(BoundedOptions):
     """The grid, the methods and their options."""
@@ -89,14 +103,8 @@ class NiahSettings(BoundedOptions):
 
     @property
     def cells(self) -> list[tuple[str, int, float, int]]:
-        """Every (task, length, depth, seed) of the grid; sample i of a cell has seed + i."""
-        return [
-            (task, n, d, self.seed + i)
-            for task in self.tasks
-            for n in self.lengths
-            for d in self.depths
-            for i in range(self.samples)
-        ]
+        """Every (task, length, depth, seed) of the grid (`grid_cells`)."""
+        return grid_cells(self.tasks, self.lengths, self.depths, self.seed, self.samples)
 
     @property
     def runs(self) -> list[str]:
