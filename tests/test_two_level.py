@@ -23,6 +23,7 @@ from longkv.caches.methods import BoundedOptions, keeps_positions, make_runner
 from longkv.caches.naive import (
     block_units_naive,
     bound_scores_naive,
+    reranked_units_naive,
     routed_attention_naive,
     row_units_naive,
     slot_scores_naive,
@@ -81,18 +82,25 @@ def test_opening_fewer_slots_reads_less_and_differs_from_both_ends(routing: str)
 
 @pytest.mark.parametrize("store", ["exact", "file"])
 @pytest.mark.parametrize("routing", ["block", "token"])
-@pytest.mark.parametrize(("score", "variance"), [("mean", 0.0), ("mean", 0.7), ("box", 0.0)])
+@pytest.mark.parametrize(
+    ("score", "variance", "readouts", "rerank"),
+    [
+        ("mean", 0.0, True, 0), ("mean", 0.7, True, 0), ("box", 0.0, True, 0),
+        ("mean", 0.0, False, 0), ("mean", 0.0, True, 30),
+    ],
+)  # fmt: skip
 def test_a_layers_attention_is_the_per_query_reference_over_its_own_cache(
-    store: str, routing: str, score: str, variance: float
+    store: str, routing: str, score: str, variance: float, readouts: bool, rerank: int
 ) -> None:
     """A layer's attention over the runner's cache and leaves (float64) equals the per-query
     reference opening the slots its routing opens by its slot score, written out from the
     leaves (1e-10): the mean key + log count, with or without the variance term, or the key
-    bounds; per query head within the leaf budget (token), or per block."""
+    bounds; per query head within the leaf budget (token), or per block; with or without the
+    closed slots' read-outs; reranked by the candidates' exact mass."""
     model, ids = tiny_hf("llama", torch.float64), ids_of()
     config = KVMFoldConfig(
         budget=26, sinks=2, window=16, open=3, leaves=store, routing=routing, leaf_budget=10,
-        slot_score=score, slot_variance=variance,
+        slot_score=score, slot_variance=variance, readouts=readouts, rerank=rerank,
     )  # fmt: skip
     runner = make_runner(model, config)
     assert isinstance(runner, TwoLevelRunner)
@@ -115,15 +123,25 @@ def test_a_layers_attention_is_the_per_query_reference_over_its_own_cache(
     else:
         rank = bound_scores_naive(q, every.keys, every.owner, S, 0.3)
     rank = rank.reshape(2, 2, 2 * L, S)  # (B, H, L, S) -> each KV head's rows (B, Hkv, G * L, S)
-    torch.testing.assert_close(runner.last_scores[0], query_units(rank, 2, L), rtol=0, atol=TOL)
-    if routing == "block":
-        opened = block_units_naive(rank, count, 10).repeat_interleave(2, dim=1)
-        opened = opened.expand(2, 4, L, S)
+    block = routing == "block"
+    if rerank:  # the candidates opened by their exact mass
+        rows = q.reshape(2, 2, 2 * L, -1)
+        args = (rows, every.keys, every.owner, rank, count, 0.3, rerank, 10, 3)
+        opened = reranked_units_naive(*args, block)
+        by_score = (
+            block_units_naive(rank, count, 10) if block else row_units_naive(rank, count, 3, 10)
+        )
+        assert not torch.equal(opened, by_score)  # the rerank opens other slots than the score
     else:
-        opened = row_units_naive(rank, count, 3, 10).reshape(2, 4, L, S)
+        torch.testing.assert_close(runner.last_scores[0], query_units(rank, 2, L), rtol=0, atol=TOL)
+        opened = (
+            block_units_naive(rank, count, 10) if block else row_units_naive(rank, count, 3, 10)
+        )
+    opened = opened.repeat_interleave(2, dim=1) if block else opened.reshape(2, 4, L, S)
+    opened = opened.expand(2, 4, L, S)
     entries = {"sinks": sinks, "slots": slots, "window": window, "chunk": (keys, values)}
     entries["leaves"] = (every.keys, every.values)
-    want = routed_attention_naive(q, entries, count, every.owner, opened, 0.3)
+    want = routed_attention_naive(q, entries, count if readouts else None, every.owner, opened, 0.3)
     torch.testing.assert_close(got, want, rtol=0, atol=TOL)
 
 
@@ -158,6 +176,19 @@ def test_each_opening_and_store_is_a_run_labelled_with_what_differs_from_the_def
     box = BoundedOptions(kvm_open=(0, 4), kvm_slot_score="box").bounded_configs(("kvm-fold",))
     assert list(box) == ["kvm-fold/fixed@1024", "kvm-fold/fixed/open4/box@1024"]
     assert [c.slot_score for c in box.values()] == ["mean", "box"]  # type: ignore[attr-defined]
+    routed = BoundedOptions(
+        kvm_open=(0, 4), kvm_slot_variance=0.5, kvm_rerank=64, kvm_readouts=False
+    ).bounded_configs(("kvm-fold",))
+    assert list(routed) == [
+        "kvm-fold/fixed@1024", "kvm-fold/fixed/open4/var0.5/rerank64/noreadouts@1024"
+    ]  # fmt: skip
+    coarse, two = routed.values()  # the coarse state takes none of the two-level options
+    assert isinstance(coarse, KVMFoldConfig) and isinstance(two, KVMFoldConfig)
+    assert (coarse.slot_variance, coarse.rerank, coarse.readouts) == (0.0, 0, True)
+    assert (two.slot_variance, two.rerank, two.readouts) == (0.5, 64, False)
+    for field, value in (("slot_variance", 0.5), ("rerank", 64), ("readouts", False)):
+        with pytest.raises(ValueError, match=f"{field}: only two-level KVM-Fold"):
+            KVMFoldConfig(budget=26, sinks=2, window=16, **{field: value})  # type: ignore[arg-type]
     stores = BoundedOptions(kvm_open=(0, 8), kvm_leaves=("exact", "int8"))
     configs = stores.bounded_configs(("kvm-fold",))
     assert list(configs) == [

@@ -100,11 +100,18 @@ class KVMFoldConfig(BoundedConfig):
         "slot's score, 1/2 scale^2 |q|^2 (mean |k|^2 - |mean k|^2) / head_dim (a Gaussian "
         "estimate of how far the slot's mass exceeds its mean key's; 0: none)",
     )
+    readouts: bool = setting(
+        True,
+        "two-level KVM-Fold: a query attends the read-out of each slot it leaves closed, "
+        "weighted as its count (off: the slots only route, and a query attends the sinks, the "
+        "window and the leaves it opens, as Quest and InfLLM do)",
+    )
     rerank: int = setting(
         0,
-        "two-level KVM-Fold: a decoded token's query heads take their best slots by score "
-        "within this many leaves as candidates and open those of largest exact mass (the "
-        "log-sum-exp of their leaves' logits) within leaf_budget (0: open by score alone)",
+        "two-level KVM-Fold: the queries take their best slots by score within this many "
+        "leaves as candidates (a prefill chunk's together, a decoded token's query heads each "
+        "their own) and open those of largest exact mass (the log-sum-exp of their leaves' "
+        "logits) within leaf_budget (0: open by score alone)",
     )
     routing: str = setting(
         "block",
@@ -152,6 +159,11 @@ class KVMFoldConfig(BoundedConfig):
         require(self.slot_key in SLOT_KEYS, self, "slot_key", f"must be one of {SLOT_KEYS}")
         require(self.slot_score in SLOT_SCORES, self, "slot_score", f"must be one of {SLOT_SCORES}")
         require_at_least(0, self, "slot_variance", "rerank")
+        require(
+            self.open or self.readouts, self, "readouts",
+            "only two-level KVM-Fold (open > 0) leaves slots closed; the coarse state reads "
+            "every slot",
+        )  # fmt: skip
         require(
             self.open or not self.rerank, self, "rerank",
             "only two-level KVM-Fold (open > 0) opens slots to rank them by their leaves",
@@ -214,7 +226,9 @@ class KVMFoldConfig(BoundedConfig):
             if self.slot_variance:
                 ranked = f" (ranked with the variance term x {self.slot_variance:g})"
             if self.rerank:
-                ranked += f" (decoding: reranked by exact mass among {self.rerank} leaves)"
+                ranked += f" (reranked by exact mass among {self.rerank} leaves)"
+            if not self.readouts:
+                ranked += ", no read-out of a closed slot"
             opens = f"each query head opens {self.open}{ranked} to their {self.leaves} tokens"
             options.append(opens)
             if self.routing == "block":

@@ -96,6 +96,7 @@ class BoundedOptions:
     kvm_slot_score: str = mirror(KVMFoldConfig, "slot_score", "kvm-fold: ")
     kvm_slot_variance: float = mirror(KVMFoldConfig, "slot_variance", "kvm-fold: ")
     kvm_rerank: int = mirror(KVMFoldConfig, "rerank", "kvm-fold: ")
+    kvm_readouts: bool = mirror(KVMFoldConfig, "readouts", "kvm-fold: ")
     kvm_leaf_dir: str | None = mirror(KVMFoldConfig, "leaf_dir", "kvm-fold: ")
     kvm_lod_factor: float = mirror(KVMFoldConfig, "lod_factor", "kvm-fold ")
     kvm_lod_floor: int = mirror(KVMFoldConfig, "lod_floor", "kvm-fold ")
@@ -186,6 +187,7 @@ class BoundedOptions:
                             slot_score=self.kvm_slot_score if k else "mean",
                             slot_variance=self.kvm_slot_variance if k else 0.0,
                             rerank=self.kvm_rerank if k else 0,
+                            readouts=self.kvm_readouts or not k,
                             positions=self.positions if k else "exact",
                         )))  # fmt: skip
         configs = {config_label(method, config): config for method, config in made}
@@ -245,6 +247,7 @@ def two_level_tag(config: KVMFoldConfig) -> str:
     options += [config.slot_score] if config.slot_score != "mean" else []
     options += [f"var{config.slot_variance:g}"] if config.slot_variance else []
     options += [f"rerank{config.rerank}"] if config.rerank else []
+    options += [] if config.readouts else ["noreadouts"]
     options += [config.positions] if config.positions != "exact" else []
     return "/".join(["", f"open{config.open}", *options])
 
