@@ -410,6 +410,12 @@ def test_bounded_compares_every_bounded_run_on_one_page(
     for text in ("| kvm-fold/sqrt@128 |", "### Peak memory against length", "tokens per founded",
                  "### The cache after the read against length"):  # fmt: skip
         assert text in page
+    attends = page.split("## What each bounded run attends")[1].split("##")[0]
+    for row in (
+        "| streaming@64 | 4 | 60 | - | - | 64 |", "| snapkv@128 | 4 | 64 | 60 kept | - | 68 |",
+        "| kvm-fold/sqrt@64 | 4 | 32 | 28 slots | - | 36 |",
+    ):  # fmt: skip
+        assert row in attends
     cache = page.split("### The cache after the read against length")[1].split("##")[0]
     # a bounded cache holds its budget at 100 and at 200 tokens; full attention twice as much
     assert "| streaming@64 |" in cache and "| 1.00 |" in cache.split("| streaming@64 |")[1]

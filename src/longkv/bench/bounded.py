@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from longkv.bench.compare import Timing, compare_methods, markdown_rows, optional
+from longkv.caches.methods import split_table
 from longkv.evals.niah_records import NiahRecord, NiahRun, NiahSettings
 from longkv.evals.niah_report import accuracy_table, budget_plot, heatmap, methods_line
 from longkv.results import (
@@ -198,9 +199,20 @@ def write_bounded_page(
         f"- {methods_line(s)}",
         f"- NLL over the first tokens of {text}; needles over depths {list(s.depths)}",
         *sources,
-        "",
-        "## Held-out NLL, time and peak memory",
     ]
+    bounded = s.bounded_configs(s.methods)
+    if bounded:
+        body += [
+            "",
+            "## What each bounded run attends",
+            "",
+            "Per layer and KV head: the sinks, the exact window, the middle (two-level "
+            "KVM-Fold's slot read-outs, SnapKV's kept tokens) and the most leaves a query opens "
+            "exactly beside them, and so the most exact entries a query attends.",
+            "",
+            *split_table(bounded),
+        ]
+    body += ["", "## Held-out NLL, time and peak memory"]
     for n in sorted(reports, key=int):
         body += ["", f"### {n} tokens", "", *markdown_rows(reports[n])]
     body += ["", "### Peak memory against length", ""]
