@@ -108,10 +108,10 @@ class KVMFoldConfig(BoundedConfig):
     )
     rerank: int = setting(
         0,
-        "two-level KVM-Fold: the queries take their best slots by score within this many "
-        "leaves as candidates (a prefill chunk's together, a decoded token's query heads each "
-        "their own) and open those of largest exact mass (the log-sum-exp of their leaves' "
-        "logits) within leaf_budget (0: open by score alone)",
+        "two-level KVM-Fold: the query heads that open slots on their own (a decoded token's; "
+        "every query's with routing token) take their best slots by score within this many "
+        "leaves as candidates and open those of largest exact mass (the log-sum-exp of their "
+        "leaves' logits) within leaf_budget (0: open by score alone)",
     )
     routing: str = setting(
         "block",

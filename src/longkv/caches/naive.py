@@ -115,19 +115,16 @@ def row_units_naive(rank: Tensor, count: Tensor, k: int, leaf_budget: int | None
 
 def reranked_units_naive(
     rows: Tensor, leaf_k: Tensor, owner: Tensor, rank: Tensor, count: Tensor, scale: float,
-    rerank: int, leaf_budget: int | None, k: int, block: bool,
+    rerank: int, leaf_budget: int | None, k: int,
 ) -> Tensor:  # fmt: skip
     """Two-level KVM-Fold's reranked opening written out: the candidates, each row's best units
-    by rank (B, Hkv, R, U) within `rerank` leaves (block: the block's, by the largest share of
-    any row's softmax), each candidate's exact log-mass per row, log sum_j exp(scale q . k_j)
-    over its leaves leaf_k (B, Hkv, n, D) (owner (B, Hkv, n)) for the rows (B, Hkv, R, D), then
-    the candidates opened by that mass as `block_units_naive` (block) or `row_units_naive` (at
-    most k per row) open by score, within leaf_budget. Returns (B, Hkv, 1 or R, U) bool."""
+    by rank (B, Hkv, R, U) within `rerank` leaves, each candidate's exact log-mass per row,
+    log sum_j exp(scale q . k_j) over its leaves leaf_k (B, Hkv, n, D) (owner (B, Hkv, n)) for
+    the rows (B, Hkv, R, D), then
+    the candidates opened by that mass as `row_units_naive` opens by score (at most k per row),
+    within leaf_budget. Returns (B, Hkv, R, U) bool."""
     B, Hkv, R, U = rank.shape
-    picked = (
-        block_units_naive(rank, count, rerank).expand(B, Hkv, R, U) if block
-        else row_units_naive(rank, count, U, rerank)
-    )  # fmt: skip
+    picked = row_units_naive(rank, count, U, rerank)
     mass = torch.full((B, Hkv, R, U), float("-inf"), dtype=rank.dtype)
     for b in range(B):
         for h in range(Hkv):
@@ -140,8 +137,6 @@ def reranked_units_naive(
                     ]
                     top = max(logits)
                     mass[b, h, r, u] = top + math.log(sum(math.exp(x - top) for x in logits))
-    if block:
-        return block_units_naive(mass, count, leaf_budget) & picked[:, :, :1]
     return row_units_naive(mass, count, k, leaf_budget) & picked
 
 
@@ -154,8 +149,6 @@ def block_units_naive(rank: Tensor, count: Tensor, leaf_budget: int | None) -> T
             share = [0.0] * U  # each unit's largest share of a row's softmax
             for r in range(R):
                 row = [float(x) for x in rank[b, h, r]]
-                if max(row) == float("-inf"):
-                    continue  # a row that ranks no unit gives none a share
                 total = sum(math.exp(x - max(row)) for x in row)
                 for i in range(U):
                     share[i] = max(share[i], math.exp(row[i] - max(row)) / total)

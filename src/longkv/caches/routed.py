@@ -85,7 +85,7 @@ def block_units(rank: Tensor, count: Tensor, leaf_budget: int | None) -> Tensor:
     leaf_budget, skipping those that do not (`fill_units`; None: every unit)."""
     if leaf_budget is None:
         return torch.ones_like(rank[:, :, :1], dtype=torch.bool)
-    share = torch.softmax(rank, dim=-1).nan_to_num(0.0).amax(2)  # (B, Hkv, U); a row of -inf: 0
+    share = torch.softmax(rank, dim=-1).amax(2)  # (B, Hkv, U)
     return fill_units(share, count, leaf_budget).unsqueeze(2)
 
 

@@ -164,20 +164,14 @@ class TwoLevelRunner(RetrievalRunner, KVMFoldRunner):
                 rank = slot_scores(rows, readouts.keys.to(high), count, scale, spread)
             else:
                 rank = bound_scores(rows, bounds[0].to(high), bounds[1].to(high), scale)
-            block = L > 1 and config.routing == "block"
-            if config.rerank:  # candidates by score, opened by their leaves' exact mass
-                if block:
-                    candidates = block_units(rank, count, config.rerank).expand_as(rank)
-                else:
-                    candidates = row_units(rank, count, rank.shape[-1], config.rerank)
-                pool = leaves.gather(candidates.any(2), high)
-                rank = leaf_mass(rows, pool, candidates, scale)
-            if block:
+            if L > 1 and config.routing == "block":
                 opened = block_units(rank, count, config.leaf_budget)
+            elif config.rerank:  # candidates by score, opened by their leaves' exact mass
+                candidates = row_units(rank, count, rank.shape[-1], config.rerank)
+                mass = leaf_mass(rows, leaves.gather(candidates.any(2), high), candidates, scale)
+                opened = candidates & row_units(mass, count, config.open, config.leaf_budget)
             else:
                 opened = row_units(rank, count, config.open, config.leaf_budget)
-            if config.rerank:
-                opened &= candidates.any(2, keepdim=True) if block else candidates
             self.remember(layer, rank, opened, G, L)
             window = recent.keys.shape[2]
             entries = attended_entries(
