@@ -147,3 +147,27 @@ def test_ask_and_read_offer_only_the_options_of_one_method_run() -> None:
         parser = build_parser(command)._subparsers._group_actions[0].choices[command]  # type: ignore[union-attr]
         text = " ".join(parser.format_help().split())
         assert "--only" not in text and "(one budget;" in text and "(one value;" in text
+
+
+def test_two_level_reads_as_the_default_setting_and_options_given_change_it() -> None:
+    import dataclasses
+
+    from longkv.caches.kvm_fold import TWO_LEVEL
+    from longkv.cli.ask import AskOptions
+    from longkv.document.read import read_settings
+
+    def config(**given: object) -> object:
+        options = AskOptions(file="doc.txt", question=("q",), method="two-level", **given)
+        assert options.method == "kvm-fold"
+        ((c,),) = [tuple(options.bounded_configs(("kvm-fold",)).values())]
+        return c
+
+    assert config() == TWO_LEVEL == read_settings("two-level").config
+    assert TWO_LEVEL.budget == 2048 and TWO_LEVEL.window == 1020 and TWO_LEVEL.middle_len == 1024
+    assert config(kvm_leaves=("file",)) == dataclasses.replace(TWO_LEVEL, leaves="file")
+    assert config(budgets=(4096,), kvm_open=(8,)) == dataclasses.replace(
+        TWO_LEVEL, budget=4096, open=8
+    )
+    # kvm-fold itself keeps the coarse defaults
+    plain = AskOptions(file="doc.txt", question=("q",), method="kvm-fold")
+    assert list(plain.bounded_configs(("kvm-fold",))) == ["kvm-fold/fixed@1024"]

@@ -9,23 +9,30 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 
 from longkv.caches.bounded import BoundedConfig
-from longkv.caches.kvm_fold import STATES, KVMFoldConfig
+from longkv.caches.kvm_fold import STATES, TWO_LEVEL, KVMFoldConfig
 from longkv.caches.leaves import LEAF_STORES
-from longkv.caches.methods import CACHE_METHODS, BoundedOptions, keeps_positions
+from longkv.caches.methods import BoundedOptions, keeps_positions
 from longkv.caches.retrieval import check_exact_positions
 from longkv.checks import refused_as, require, require_at_least, setting
 from longkv.cli.args import command
 from longkv.cli.common import LoadOptions, dtype_setting
 from longkv.decoding import Pick, Sampler, greedy
 from longkv.document.prompt import document_ids, question_ids
-from longkv.document.read import Answer, Document, ReadSettings, check_document, read_ids
+from longkv.document.read import (
+    METHODS,
+    Answer,
+    Document,
+    ReadSettings,
+    check_document,
+    read_ids,
+)
 from longkv.document.save import load
 from longkv.fold.fold import CLI_SWITCH, FOLD_CHUNK, check_positions
 
@@ -61,9 +68,11 @@ class DocumentOptions(BoundedOptions):
     method: str = setting(
         "fold",
         "how the model reads the document: full (one forward), fold (chunks of --chunk-size, "
-        "exact) or a bounded cache (streaming, snapkv, kvm-fold, quest, infllm; one budget; "
-        "two-level is kvm-fold with --kvm-open)",
-        choices=CACHE_METHODS,
+        "exact), a bounded cache (streaming, snapkv, kvm-fold, quest, infllm; one budget) or "
+        "two-level (kvm-fold with the default two-level setting, docs/kvfold.md: budget 2048 = "
+        "4 sinks + 1024 slots + 1020 recent, --kvm-open 1024, --kvm-rerank 4096; an option "
+        "given changes it)",
+        choices=METHODS,
     )
     chunk_size: int = setting(FOLD_CHUNK, "fold: chunk (tokens)")
     chat: bool = setting(
@@ -73,6 +82,12 @@ class DocumentOptions(BoundedOptions):
 
     def __post_init__(self) -> None:
         require_at_least(1, self, "chunk_size")
+        if self.method == "two-level":  # kvm-fold; the options left at their default: TWO_LEVEL
+            defaults = {f.name: f.default for f in fields(DocumentOptions)}
+            for name, value in two_level_options().items():
+                if getattr(self, name) == defaults[name]:
+                    object.__setattr__(self, name, value)
+            object.__setattr__(self, "method", "kvm-fold")
         runs = self.labels((self.method,))
         require(
             len(runs) == 1, self, "budgets",
@@ -123,6 +138,15 @@ class DocumentOptions(BoundedOptions):
                 check_exact_positions(
                     model, needed, f"the document, question and answer ({s.label})"
                 )
+
+
+def two_level_options() -> dict[str, Any]:
+    """The options of `DocumentOptions` that make a kvm-fold run read as `TWO_LEVEL`."""
+    c = TWO_LEVEL
+    return {
+        "budgets": (c.budget,), "sinks": c.sinks, "window": c.window, "kvm_states": (c.state,),
+        "kvm_open": (c.open,), "kvm_rerank": c.rerank, "leaf_budget": c.leaf_budget or 0,
+    }  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from longkv.caches.bounded import (
     bounded_generate,
 )
 from longkv.caches.fork import fork
-from longkv.caches.kvm_fold import KVMFoldConfig
+from longkv.caches.kvm_fold import TWO_LEVEL, KVMFoldConfig
 from longkv.caches.methods import (
     BOUNDED,
     CACHE_METHODS,
@@ -47,9 +47,8 @@ from longkv.document.prompt import document_ids, question_ids
 from longkv.fold.fold import FOLD_CHUNK, FoldRunner, kv_fold
 from longkv.fold.generate import fold_generate
 
-# "two-level" reads as kvm-fold with slots opened (KVMFoldConfig.open), by default 8
+# "two-level" reads as kvm-fold with slots opened (KVMFoldConfig.open), by default TWO_LEVEL
 METHODS = (*CACHE_METHODS, "two-level")
-TWO_LEVEL_OPEN = 8
 # leaves a fork may append before it copies the read's (`LeafStore.reserve`)
 LEAF_ROOM = 1024
 
@@ -92,11 +91,11 @@ def read_settings(
     **settings: Any,
 ) -> ReadSettings:
     """The settings of a read by `method` (one of METHODS); a bounded method without a config
-    takes the command line's defaults (`BoundedOptions`; two-level: opening 8 slots)."""
+    takes the command line's defaults (`BoundedOptions`; two-level: `TWO_LEVEL`)."""
     require(method in METHODS, None, "method", f"must be one of {METHODS}, got {method!r}")
     if method == "two-level":
         method = "kvm-fold"
-        config = config or KVMFoldConfig(open=TWO_LEVEL_OPEN)
+        config = config or TWO_LEVEL
         require(
             isinstance(config, KVMFoldConfig) and config.open > 0, None, "config",
             "two-level reads with a KVMFoldConfig that opens slots (open > 0)",
