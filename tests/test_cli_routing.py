@@ -92,15 +92,18 @@ def test_an_interrupted_run_resumes_from_its_kept_measurements(
         return measured(*args, **kwargs)
 
     monkeypatch.setattr(routing, "measured", counted)
-    assert (
-        main(argv(tiny_model, tmp_path)) == 130
-    )  # Ctrl-C    assert "the finished measurements are beside the page" in capsys.readouterr().err
+    assert main(argv(tiny_model, tmp_path)) == 130  # Ctrl-C
+    assert "the finished measurements are beside the page" in capsys.readouterr().err
     kept = json.loads((tmp_path / "r.partial.json").read_text())["parts"]
     assert len(kept) == 2
+    # the measurements do not depend on the folder: moved with the page, they are taken there
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    (tmp_path / "r.partial.json").rename(moved / "r.partial.json")
     calls.clear()
-    assert main(argv(tiny_model, tmp_path)) == 0
+    assert main(argv(tiny_model, moved)) == 0
     assert len(calls) == 2  # the text's two runs alone
-    assert main(argv(tiny_model, tmp_path, "--samples", "2")) == 2  # another run's page
+    assert main(argv(tiny_model, moved, "--samples", "2")) == 2  # another run's page
 
 
 def test_snapkv_is_refused_since_its_kept_tokens_are_not_tracked(

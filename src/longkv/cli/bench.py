@@ -102,7 +102,8 @@ def _run_bench_readme(args: argparse.Namespace, argv: list[str]) -> int:
 
 def _run_bench_routing(args: argparse.Namespace, argv: list[str]) -> int:
     m, s = args.settings[LoadOptions], args.settings[bench_routing.RoutingSettings]
-    settings = {**asdict(s), "model": m.model}  # what the recall depends on
+    # what the recall depends on (not the folder, so measurements may move with the page)
+    settings = {**{k: v for k, v in asdict(s).items() if k != "out_dir"}, "model": m.model}
     stem = Path(s.out_dir) / s.name
     require_own_page(stem.with_suffix(".json"), settings, s)
     model, tokenizer = m.load(s.dtype)
