@@ -256,7 +256,7 @@ class KVMFoldConfig(BoundedConfig):
 
 
 # Two-level KVM-Fold as `longkv.read(method="two-level")` reads (docs/kvfold.md, The default
-# two-level setting; results/routing.md): 2048 entries per layer and KV head = 4 sinks + 1024
+# two-level setting; results/routing_*.md): 2048 entries per layer and KV head = 4 sinks + 1024
 # slots + 1020 recent tokens, up to 1024 leaves opened per KV head and prefill chunk, a decoded
 # token's query heads opening theirs by the exact mass of the best slots within 4096 leaves.
 TWO_LEVEL = KVMFoldConfig(budget=2048, window=1020, open=1024, rerank=4096)
