@@ -149,7 +149,9 @@ def test_ask_and_read_offer_only_the_options_of_one_method_run() -> None:
         assert "--only" not in text and "(one budget;" in text and "(one value;" in text
 
 
-def test_two_level_reads_as_the_default_setting_and_options_given_change_it() -> None:
+def test_two_level_reads_as_the_default_setting_and_options_given_change_it(
+    tiny_model: str, document: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     import dataclasses
 
     from longkv.caches.kvm_fold import TWO_LEVEL
@@ -171,3 +173,6 @@ def test_two_level_reads_as_the_default_setting_and_options_given_change_it() ->
     # kvm-fold itself keeps the coarse defaults
     plain = AskOptions(file="doc.txt", question=("q",), method="kvm-fold")
     assert list(plain.bounded_configs(("kvm-fold",))) == ["kvm-fold/fixed@1024"]
+    ask = ["ask", "--model", tiny_model, "--file", str(document), "--max-new-tokens", "2"]
+    assert main([*ask, "--method", "two-level", "--question", "Which word?"]) == 0
+    assert "tokens read by kvm-fold/fixed/open1024/rerank4096@2048 in " in capsys.readouterr().err
