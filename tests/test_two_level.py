@@ -123,14 +123,14 @@ def test_a_layers_attention_is_the_per_query_reference_over_its_own_cache(
     else:
         rank = bound_scores_naive(q, every.keys, every.owner, S, 0.3)
     rank = rank.reshape(2, 2, 2 * L, S)  # (B, H, L, S) -> each KV head's rows (B, Hkv, G * L, S)
+    torch.testing.assert_close(runner.last_scores[0], query_units(rank, 2, L), rtol=0, atol=TOL)
     block = routing == "block"
     if rerank and not block:  # the candidates opened by their exact mass
         rows = q.reshape(2, 2, 2 * L, -1)
         args = (rows, every.keys, every.owner, rank, count, 0.3, rerank, 10, 3)
         opened = reranked_units_naive(*args)
         assert not torch.equal(opened, row_units_naive(rank, count, 3, 10))  # other slots
-    else:  # a prefill chunk's queries open their block by score, rerank or not
-        torch.testing.assert_close(runner.last_scores[0], query_units(rank, 2, L), rtol=0, atol=TOL)
+    else:  # a prefill chunk's block opens by score, rerank or not; token routing without it
         opened = (
             block_units_naive(rank, count, 10) if block else row_units_naive(rank, count, 3, 10)
         )

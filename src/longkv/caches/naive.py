@@ -118,11 +118,10 @@ def reranked_units_naive(
     rerank: int, leaf_budget: int | None, k: int,
 ) -> Tensor:  # fmt: skip
     """Two-level KVM-Fold's reranked opening written out: the candidates, each row's best units
-    by rank (B, Hkv, R, U) within `rerank` leaves, each candidate's exact log-mass per row,
-    log sum_j exp(scale q . k_j) over its leaves leaf_k (B, Hkv, n, D) (owner (B, Hkv, n)) for
-    the rows (B, Hkv, R, D), then
-    the candidates opened by that mass as `row_units_naive` opens by score (at most k per row),
-    within leaf_budget. Returns (B, Hkv, R, U) bool."""
+    by rank (B, Hkv, R, U) within `rerank` leaves; each candidate's exact log-mass per row of
+    rows (B, Hkv, R, D), log sum_j exp(scale q . k_j) over its leaves leaf_k (B, Hkv, n, D)
+    (owner (B, Hkv, n)); then the candidates opened by that mass as `row_units_naive` opens by
+    score (at most k per row), within leaf_budget. Returns (B, Hkv, R, U) bool."""
     B, Hkv, R, U = rank.shape
     picked = row_units_naive(rank, count, U, rerank)
     mass = torch.full((B, Hkv, R, U), float("-inf"), dtype=rank.dtype)

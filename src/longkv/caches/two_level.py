@@ -174,10 +174,9 @@ class TwoLevelRunner(RetrievalRunner, KVMFoldRunner):
                 opened = row_units(rank, count, config.open, config.leaf_budget)
             self.remember(layer, rank, opened, G, L)
             window = recent.keys.shape[2]
-            entries = attended_entries(
-                opened, count, sinks.keys.shape[2], window, L, config.readouts
+            self.tally(
+                attended_entries(opened, count, sinks.keys.shape[2], window, L, config.readouts)
             )
-            self.tally(entries)
             got = leaves.gather(opened.any(2), high)
             chunk = Part(keys, values)
             kept, counted = (readouts, count) if config.readouts else (None, None)
