@@ -10,6 +10,7 @@ from typing import Any
 
 from longkv.bench import document as bench_document
 from longkv.bench import kvm as bench_kvm
+from longkv.bench import kvm_page
 from longkv.bench import qa as bench_qa
 from longkv.bench import readme as bench_readme
 from longkv.bench import routing as bench_routing
@@ -55,8 +56,8 @@ def own_page(settings: Any) -> None:
 def _run_bench_kvm(args: argparse.Namespace, argv: list[str]) -> int:
     own_page(args.settings[bench_kvm.BenchSettings])
     result = bench_kvm.run(args.settings[bench_kvm.BenchSettings], argv)
-    print(bench_kvm.table(result))
-    paths = bench_kvm.save(result)
+    print(kvm_page.table(result))
+    paths = kvm_page.save(result)
     print("\nwrote " + ", ".join(str(p) for p in paths))
     return 0
 
