@@ -41,8 +41,9 @@ def random_state(B: int, H: int, S: int, D: int, seed: int) -> FoldState:
 @pytest.mark.parametrize("target", [3, 6, 8, 11])  # merge all, some appended, all appended
 @pytest.mark.parametrize("threshold", [None, 0.2])
 @pytest.mark.parametrize("sinks", [0, 2])
+@pytest.mark.parametrize("cap", [None, 1.0, 1.5])
 def test_state_update_equals_the_per_token_reference(
-    target: int, threshold: float | None, sinks: int
+    target: int, threshold: float | None, sinks: int, cap: float | None
 ) -> None:
     B, H, D, m = 2, 3, 6, 5
     g = torch.Generator().manual_seed(target + 7 * sinks)
@@ -54,8 +55,8 @@ def test_state_update_equals_the_per_token_reference(
     state, _ = update_state(state, k0, v0, 3, 3, sink_keys)
     k = torch.randn(B, H, m, D, generator=g, dtype=torch.float64)
     v = torch.randn(B, H, m, D + 1, generator=g, dtype=torch.float64)
-    fast, fast_dest = update_state(state, k, v, 8, target, sink_keys, threshold)
-    slow, slow_dest = update_state_naive(state, k, v, 8, target, sink_keys, threshold)
+    fast, fast_dest = update_state(state, k, v, 8, target, sink_keys, threshold, cap=cap)
+    slow, slow_dest = update_state_naive(state, k, v, 8, target, sink_keys, threshold, cap)
     assert torch.equal(fast_dest, slow_dest)
     assert torch.equal(fast.founder, slow.founder)
     for name in ("key_sum", "value_sum", "count", "key_norm", "value_norm"):
@@ -64,6 +65,11 @@ def test_state_update_equals_the_per_token_reference(
     if threshold is not None:  # some merges dropped, counts say how many joined
         dropped = (fast_dest == DROPPED).sum().item()
         assert fast.count.sum().item() == state.count.sum().item() + B * H * m - dropped
+    if cap is not None:  # no token joins a slot above the bound
+        closed = state.count > cap * state.count.mean(dim=-1, keepdim=True)
+        assert closed.any() or cap > 1  # 8 tokens in 3 slots: one is above the mean
+        joined = (fast_dest.unsqueeze(-1) == torch.arange(3)).any(dim=2)  # (B, H, 3)
+        assert not (joined & closed).any()
 
 
 def test_a_first_block_with_nothing_to_compare_founds_its_earliest_tokens() -> None:

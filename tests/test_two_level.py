@@ -186,6 +186,9 @@ def test_each_opening_and_store_is_a_run_labelled_with_what_differs_from_the_def
     for field, value in (("slot_variance", 0.5), ("rerank", 64), ("readouts", False)):
         with pytest.raises(ValueError, match=f"{field}: only two-level KVM-Fold"):
             KVMFoldConfig(budget=26, sinks=2, window=16, **{field: value})  # type: ignore[arg-type]
+    capped = BoundedOptions(kvm_open=(0, 4), kvm_slot_cap=2.5).bounded_configs(("kvm-fold",))
+    assert list(capped) == ["kvm-fold/fixed/cap2.5@1024", "kvm-fold/fixed/cap2.5/open4@1024"]
+    assert [c.slot_cap for c in capped.values()] == [2.5, 2.5]  # type: ignore[attr-defined]
     stores = BoundedOptions(kvm_open=(0, 8), kvm_leaves=("exact", "int8"))
     configs = stores.bounded_configs(("kvm-fold",))
     assert list(configs) == [
@@ -253,6 +256,26 @@ def test_other_slot_keys_and_scores_still_open_to_the_exact_fold(field: str, val
         KVMFoldConfig(budget=26, sinks=2, window=16, **{field: value})  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=f"{field}: must be one of"):
         KVMFoldConfig(budget=26, sinks=2, window=16, open=8, **{field: "max"})  # type: ignore[arg-type]
+
+
+def test_bounded_slots_are_more_even_and_still_open_to_the_exact_fold() -> None:
+    """slot_cap 1: a slot above the mean count takes no token of the next leaving block, so the
+    largest slot is smaller than without the bound; every slot open is still the exact fold."""
+    model, ids = tiny_hf("llama"), ids_of(120)
+    exact = kv_fold(model, ids, ids.shape[1], return_logits=True).logits
+    largest = []
+    for cap in (None, 1.0):
+        config = KVMFoldConfig(budget=26, sinks=2, window=16, open=8, slot_cap=cap)
+        runner = make_runner(model, config)
+        run = bounded_fold(runner, ids, 4, return_logits=True).logits
+        assert run is not None and exact is not None
+        assert (run - exact).abs().max().item() <= 1e-5
+        state = runner.states[runner.ref]
+        assert state is not None and (state.count.sum(-1) == 120 - 2 - 16).all()  # none lost
+        largest.append(state.count.amax().item())
+    assert largest[1] < largest[0], largest
+    with pytest.raises(ValueError, match="slot_cap: a bound below the mean count"):
+        KVMFoldConfig(budget=26, sinks=2, window=16, slot_cap=0.5)
 
 
 @pytest.mark.parametrize(

@@ -68,6 +68,12 @@ class KVMFoldConfig(BoundedConfig):
         "cosine similarity below which a leaving token is dropped instead of merged into its "
         "most similar slot (default: every token merges)",
     )
+    slot_cap: float | None = setting(
+        None,
+        "a slot whose count exceeds this many times the mean count of the slots, as a block "
+        "leaves the window, takes none of its tokens; they join their most similar open slot "
+        "(>= 1; default: no bound, every token joins its most similar slot)",
+    )
     open: int = setting(
         0,
         "two-level KVM-Fold: slots each query head opens to the exact tokens they own, ranked "
@@ -152,6 +158,10 @@ class KVMFoldConfig(BoundedConfig):
             f"a cosine similarity lies in [-1, 1], got {self.merge_threshold!r}",
         )
         require_at_least(1, self, "lod_floor")
+        require(
+            self.slot_cap is None or self.slot_cap >= 1, self, "slot_cap",
+            f"a bound below the mean count closes every slot; pass >= 1, got {self.slot_cap!r}",
+        )  # fmt: skip
         with refused_as(self):  # growth_factor and saturation_n are checked by the rule
             self.budget_rule  # noqa: B018
         require_at_least(0, self, "open")
@@ -221,6 +231,8 @@ class KVMFoldConfig(BoundedConfig):
             options.append("log(count) bias")
         if self.merge_threshold is not None:
             options.append(f"merges above cosine {self.merge_threshold:g}")
+        if self.slot_cap is not None:
+            options.append(f"slots of at most {self.slot_cap:g}x the mean count take tokens")
         if self.open:
             ranked = " (ranked by their key bounds)" if self.slot_score == "box" else ""
             if self.slot_variance:
@@ -311,8 +323,9 @@ class KVMFoldRunner(BoundedRunner):
         avail = first + m - sinks.shape[2]  # the tokens the slots summarise after the update
         target = desired_state_len(self.config.budget_rule, self.seen, avail, state.num_slots)
         state, dest = update_state(  # the runner keeps only the newest state of a layer
-            state, keys, values, first, target, sinks, self.config.merge_threshold, donate=True
-        )
+            state, keys, values, first, target, sinks, self.config.merge_threshold,
+            donate=True, cap=self.config.slot_cap,
+        )  # fmt: skip
         self.states[layer] = state
         if self.track:
             self.destinations[layer].append((first, dest))

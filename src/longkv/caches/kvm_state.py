@@ -9,6 +9,10 @@ LayerNorm, merge gate or temperatures, so:
   merge winner-take-all into their most similar slot of the post-append state (sums + count);
   the sinks are exact cache entries, compared with for novelty, never merged into;
 - with a `threshold`, a token whose best similarity is below it is dropped instead of merged;
+- with a `cap`, a slot whose count exceeds cap times the mean count of the state's slots as a
+  block arrives takes none of that block's tokens, which join their most similar open slot
+  (novelty still compares with every slot); a slot can grow past the bound only within one
+  block, and cap >= 1 leaves a slot of at most the mean count open;
 - read-out, `mean`: the mean key and the mean value of the slot's tokens; `founder` (spec
   section 3's vlens, applied to keys too): key = unit(key sum) * the founder key's norm, value =
   unit(value sum) * the founder value's norm. Either way a slot of one token reads back that
@@ -104,14 +108,15 @@ def update_state(
     sink_keys: Tensor,
     threshold: float | None = None,
     donate: bool = False,
+    cap: float | None = None,
 ) -> tuple[FoldState, Tensor]:
     """Fold the m tokens first .. first + m - 1 that leave the window into the slots.
 
     keys (B, Hkv, m, D) un-rotated, values (B, Hkv, m, Dv); target: slots wanted afterwards
     (at least the current number); sink_keys (B, Hkv, s, D): compared with for novelty, never
     merged into; donate: the given state's slots may be changed in place (it must not be read
-    again). Returns the new state and dest (B, Hkv, m): the slot each token founded or joined,
-    or DROPPED.
+    again); cap: the count bound of an open slot, in mean counts (module docstring). Returns
+    the new state and dest (B, Hkv, m): the slot each token founded or joined, or DROPPED.
     """
     S0, s, m = state.num_slots, sink_keys.shape[2], keys.shape[2]
     n_append = min(max(target - S0, 0), m)
@@ -121,7 +126,11 @@ def update_state(
     k, v = keys.to(dtype), values.to(dtype)
     unit = F.normalize(k, dim=-1)
     known = F.normalize(torch.cat([sink_keys.to(dtype), state.key_sum], dim=2), dim=-1)
-    to = route(unit, known, s, n_append, lambda picked: take(unit, picked))
+    closed = None
+    if cap is not None and S0:
+        count = state.count  # (B, Hkv, S0)
+        closed = count > cap * count.mean(dim=-1, keepdim=True)
+    to = route(unit, known, s, n_append, lambda picked: take(unit, picked), closed)
     joins = to.merges if threshold is None else to.merges & (to.best >= threshold)
     dest = to.dest - s  # the sinks are no slots of this state
     new_k, new_v = take(k, to.picked), take(v, to.picked)

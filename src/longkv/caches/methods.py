@@ -78,6 +78,7 @@ class BoundedOptions:
     kvm_readout: str = mirror(KVMFoldConfig, "readout", "kvm-fold: ")
     kvm_count_bias: bool = mirror(KVMFoldConfig, "count_bias", "kvm-fold: ")
     kvm_merge_threshold: float | None = mirror(KVMFoldConfig, "merge_threshold", "kvm-fold: ")
+    kvm_slot_cap: float | None = mirror(KVMFoldConfig, "slot_cap", "kvm-fold: ")
     kvm_open: tuple[int, ...] = setting(
         (0,),
         "kvm-fold: two-level KVM-Fold: slots each query head opens to the exact tokens they "
@@ -179,7 +180,8 @@ class BoundedOptions:
                             budget=budget, sinks=self.sinks, window=self.window, state=state,
                             growth_factor=self.kvm_growth_factor, readout=self.kvm_readout,
                             count_bias=self.kvm_count_bias,
-                            merge_threshold=self.kvm_merge_threshold, open=k, leaves=leaves,
+                            merge_threshold=self.kvm_merge_threshold,
+                            slot_cap=self.kvm_slot_cap, open=k, leaves=leaves,
                             leaf_dir=self.kvm_leaf_dir, lod_factor=self.kvm_lod_factor,
                             lod_floor=self.kvm_lod_floor, routing=self.routing,
                             leaf_budget=self.leaf_budget or None,
@@ -254,10 +256,11 @@ def two_level_tag(config: KVMFoldConfig) -> str:
 
 def config_label(method: str, config: BoundedConfig) -> str:
     """A run's label from its config, as `BoundedOptions` labels the runs it makes:
-    "streaming@1024", "kvm-fold/sqrt/open8/int8@1024"; a retrieval run placing positions inside
-    says so ("quest/inside@1024")."""
+    "streaming@1024", "kvm-fold/sqrt/open8/int8@1024", "kvm-fold/fixed/cap4@1024" (slots
+    bounded); a retrieval run placing positions inside says so ("quest/inside@1024")."""
     if isinstance(config, KVMFoldConfig):
-        return f"kvm-fold/{config.state}{two_level_tag(config)}@{config.budget}"
+        cap = "" if config.slot_cap is None else f"/cap{config.slot_cap:g}"
+        return f"kvm-fold/{config.state}{cap}{two_level_tag(config)}@{config.budget}"
     inside = "/inside" if places_inside(config) else ""
     return f"{method}{inside}@{config.budget}"
 

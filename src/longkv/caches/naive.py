@@ -23,6 +23,7 @@ def update_state_naive(
     target: int,
     sink_keys: Tensor,
     threshold: float | None = None,
+    cap: float | None = None,
 ) -> tuple[FoldState, Tensor]:
     """`longkv.caches.kvm_state.update_state` written out per row, head and token."""
     B, Hkv, m, _ = keys.shape
@@ -38,6 +39,8 @@ def update_state_naive(
             key_sum, value_sum = rows["key_sum"][b][h], rows["value_sum"][b][h]
             count, founder = rows["count"][b][h], rows["founder"][b][h]
             known = [*sink_keys[b, h], *key_sum]
+            bound = math.inf if cap is None or not count else cap * sum(count) / len(count)
+            open_ = [float(c) <= bound for c in count]  # as the block arrives
             novelty = [max((_cosine(k, x) for x in known), default=0.0) for k in keys[b, h]]
             # the n_append least similar tokens, earliest first among equals
             ranked = sorted(range(m), key=lambda j: (novelty[j], j))
@@ -57,7 +60,8 @@ def update_state_naive(
                 if j in appended:
                     continue
                 sims = [_cosine(keys[b, h, j].to(s.dtype), s) for s in frozen]
-                best = max(range(len(sims)), key=lambda i: (sims[i], -i))
+                takes = [i for i in range(len(sims)) if i >= len(open_) or open_[i]]
+                best = max(takes, key=lambda i: (sims[i], -i))
                 if threshold is not None and sims[best] < threshold:
                     continue
                 dest[b, h, j] = best

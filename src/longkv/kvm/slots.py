@@ -45,30 +45,36 @@ def route(
     sinks: int,
     n_append: int,
     new_slots: Callable[[Tensor], Tensor],
+    closed: Tensor | None = None,
 ) -> Route:
     """Route a leaving block into the slots (spec section 5, steps 3 and 4), without gradient.
 
     tokens (B, Hkv, m, D) and known (B, Hkv, K, D): the tokens and the slots in the compared
     form, the first `sinks` slots protected (compared for novelty, never merged into);
     n_append (0 .. m): how many tokens found slots; new_slots: picked (B, Hkv, n) -> the new
-    slots in the compared form (B, Hkv, n, D).
+    slots in the compared form (B, Hkv, n, D); closed (B, Hkv, K - sinks) bool: known slots
+    that take no token (compared for novelty still; default: none).
 
     The n_append tokens least similar to every known slot (novelty; earlier first among
-    equals) found the new slots. Every other token merges into the most similar non-sink slot
-    after appending, the first among equals: a new slot wins only where strictly more similar.
-    There must be a non-sink slot after appending.
+    equals) found the new slots. Every other token merges into the most similar open non-sink
+    slot after appending, the first among equals: a new slot wins only where strictly more
+    similar. There must be an open non-sink slot after appending.
     """
     K = known.shape[2]
     sims = tokens @ known.transpose(-1, -2)  # (B, Hkv, m, K): one product for both uses
     if K > sinks:
-        best, dest = sims[..., sinks:].max(dim=-1)  # non-sink slots, the first on ties
+        merge = sims[..., sinks:]  # non-sink slots
+        near = merge.amax(dim=-1)  # (B, Hkv, m) the most similar, open or not
+        if closed is not None:
+            merge = merge.masked_fill(closed.unsqueeze(2), float("-inf"))
+        best, dest = merge.max(dim=-1)  # the first on ties
         dest += sinks
     else:  # no slot to merge into before the new ones
-        best = sims.new_full(sims.shape[:-1], float("-inf"))
+        best = near = sims.new_full(sims.shape[:-1], float("-inf"))
         dest = torch.zeros(sims.shape[:-1], dtype=torch.long, device=sims.device)
     picked = dest[..., :0]
     if n_append > 0:
-        novelty = best if sinks == 0 else torch.maximum(best, sims[..., :sinks].amax(dim=-1))
+        novelty = near if sinks == 0 else torch.maximum(near, sims[..., :sinks].amax(dim=-1))
         picked = novelty.argsort(dim=-1, stable=True)[..., :n_append].sort(dim=-1).values
         new_best, new_dest = (tokens @ new_slots(picked).transpose(-1, -2)).max(dim=-1)
         won = new_best > best
