@@ -189,6 +189,10 @@ def test_each_opening_and_store_is_a_run_labelled_with_what_differs_from_the_def
     capped = BoundedOptions(kvm_open=(0, 4), kvm_slot_cap=2.5).bounded_configs(("kvm-fold",))
     assert list(capped) == ["kvm-fold/fixed/cap2.5@1024", "kvm-fold/fixed/cap2.5/open4@1024"]
     assert [c.slot_cap for c in capped.values()] == [2.5, 2.5]  # type: ignore[attr-defined]
+    token = BoundedOptions(kvm_open=(0, 4), routing="token")
+    assert token.labels(("kvm-fold", "quest")) == [
+        "kvm-fold/fixed@1024", "kvm-fold/fixed/open4/token@1024", "quest/token@1024"
+    ]  # fmt: skip
     stores = BoundedOptions(kvm_open=(0, 8), kvm_leaves=("exact", "int8"))
     configs = stores.bounded_configs(("kvm-fold",))
     assert list(configs) == [

@@ -241,7 +241,8 @@ class BoundedOptions:
 
 def two_level_tag(config: KVMFoldConfig) -> str:
     """The label part of a kvm-fold run by what it opens: "" (coarse), "/open8", with the options
-    that differ from the default after it: "/open8/int8/centred/box/inside", "/open8/var1"."""
+    that differ from the default after it: "/open8/int8/centred/box/inside", "/open8/var1",
+    "/open8/token" (every query routes on its own)."""
     if not config.open:
         return ""
     options = [config.leaves] if config.leaves != "exact" else []
@@ -250,6 +251,7 @@ def two_level_tag(config: KVMFoldConfig) -> str:
     options += [f"var{config.slot_variance:g}"] if config.slot_variance else []
     options += [f"rerank{config.rerank}"] if config.rerank else []
     options += [] if config.readouts else ["noreadouts"]
+    options += [config.routing] if config.routing != "block" else []
     options += [config.positions] if config.positions != "exact" else []
     return "/".join(["", f"open{config.open}", *options])
 
@@ -257,12 +259,14 @@ def two_level_tag(config: KVMFoldConfig) -> str:
 def config_label(method: str, config: BoundedConfig) -> str:
     """A run's label from its config, as `BoundedOptions` labels the runs it makes:
     "streaming@1024", "kvm-fold/sqrt/open8/int8@1024", "kvm-fold/fixed/cap4@1024" (slots
-    bounded); a retrieval run placing positions inside says so ("quest/inside@1024")."""
+    bounded); a retrieval run placing positions inside or routing every query on its own says
+    so ("quest/inside@1024", "quest/token@1024")."""
     if isinstance(config, KVMFoldConfig):
         cap = "" if config.slot_cap is None else f"/cap{config.slot_cap:g}"
         return f"kvm-fold/{config.state}{cap}{two_level_tag(config)}@{config.budget}"
     inside = "/inside" if places_inside(config) else ""
-    return f"{method}{inside}@{config.budget}"
+    token = "/token" if isinstance(config, QuestConfig) and config.routing == "token" else ""
+    return f"{method}{inside}{token}@{config.budget}"
 
 
 def split_label(label: str) -> tuple[str, int | None]:
