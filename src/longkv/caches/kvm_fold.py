@@ -268,10 +268,12 @@ class KVMFoldConfig(BoundedConfig):
 
 
 # Two-level KVM-Fold as `longkv.read(method="two-level")` reads (docs/kvfold.md, The default
-# two-level setting; results/routing_*.md): 2048 entries per layer and KV head = 4 sinks + 1024
-# slots + 1020 recent tokens, up to 1024 leaves opened per KV head and prefill chunk, a decoded
-# token's query heads opening theirs by the exact mass of the best slots within 4096 leaves.
-TWO_LEVEL = KVMFoldConfig(budget=2048, window=1020, open=1024, rerank=4096)
+# two-level setting): 2048 entries per layer and KV head = 4 sinks + 1024 slots + 1020 recent
+# tokens, slots of at most the mean count taking tokens, every query head and query opening up
+# to 1024 leaves of its own, by the exact mass of its best slots within 4096 leaves.
+TWO_LEVEL = KVMFoldConfig(
+    budget=2048, window=1020, open=1024, rerank=4096, slot_cap=1.0, routing="token"
+)
 
 
 class KVMFoldRunner(BoundedRunner):

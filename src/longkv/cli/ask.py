@@ -146,6 +146,7 @@ def two_level_options() -> dict[str, Any]:
     return {
         "budgets": (c.budget,), "sinks": c.sinks, "window": c.window, "kvm_states": (c.state,),
         "kvm_open": (c.open,), "kvm_rerank": c.rerank, "leaf_budget": c.leaf_budget or 0,
+        "kvm_slot_cap": c.slot_cap, "routing": c.routing,
     }  # fmt: skip
 
 
