@@ -175,4 +175,7 @@ def test_two_level_reads_as_the_default_setting_and_options_given_change_it(
     assert list(plain.bounded_configs(("kvm-fold",))) == ["kvm-fold/fixed@1024"]
     ask = ["ask", "--model", tiny_model, "--file", str(document), "--max-new-tokens", "2"]
     assert main([*ask, "--method", "two-level", "--question", "Which word?"]) == 0
-    assert "tokens read by kvm-fold/fixed/cap1/open1024/rerank4096/token@2048 in " in capsys.readouterr().err
+    assert (
+        "tokens read by kvm-fold/fixed/cap1/open1024/rerank4096/token@2048 in "
+        in capsys.readouterr().err
+    )
