@@ -70,8 +70,9 @@ class DocumentOptions(BoundedOptions):
         "how the model reads the document: full (one forward), fold (chunks of --chunk-size, "
         "exact), a bounded cache (streaming, snapkv, kvm-fold, quest, infllm; one budget) or "
         "two-level (kvm-fold set as docs/kvfold.md's two-level setting: budget 2048 = "
-        "4 sinks + 1024 slots + 1020 recent, --kvm-open 1024, --kvm-rerank 4096; an option "
-        "changed from its own setting changes that part)",
+        "4 sinks + 1024 slots + 1020 recent, --kvm-open 1024, --kvm-rerank 4096, "
+        "--kvm-slot-cap 1, --routing token; an option changed from its own setting changes "
+        "that part; for --routing block or no slot cap, pass --method kvm-fold with the rest)",
         choices=METHODS,
     )
     chunk_size: int = setting(FOLD_CHUNK, "fold: chunk (tokens)")

@@ -64,10 +64,12 @@ def route(
     sims = tokens @ known.transpose(-1, -2)  # (B, Hkv, m, K): one product for both uses
     if K > sinks:
         merge = sims[..., sinks:]  # non-sink slots
-        near = merge.amax(dim=-1)  # (B, Hkv, m) the most similar, open or not
-        if closed is not None:
-            merge = merge.masked_fill(closed.unsqueeze(2), float("-inf"))
-        best, dest = merge.max(dim=-1)  # the first on ties
+        if closed is None:
+            best, dest = merge.max(dim=-1)  # the first on ties
+            near = best  # (B, Hkv, m) the most similar, open or not
+        else:
+            near = merge.amax(dim=-1)
+            best, dest = merge.masked_fill(closed.unsqueeze(2), float("-inf")).max(dim=-1)
         dest += sinks
     else:  # no slot to merge into before the new ones
         best = near = sims.new_full(sims.shape[:-1], float("-inf"))
