@@ -25,6 +25,7 @@ from conftest import over_tokenizer, saved_model, tiny_hf_config
 from longkv.bench.bounded import FATES, fate_rows, miss_rows, route_rows
 from longkv.bench.kvm import BenchSettings
 from longkv.bench.train import TrainBenchSettings
+from longkv.caches.methods import BOUNDED
 from longkv.cli import common
 from longkv.cli import fold as fold_cli
 from longkv.cli import niah as niah_cli
@@ -35,6 +36,7 @@ from longkv.evals.niah_records import NiahRecord, NiahSettings
 from longkv.fold import drift_grid
 from longkv.results import OUT_DIR, save_partial
 from longkv.train.tokenizer import gpt2_tokenizer
+from longkv.version import __version__
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -99,6 +101,19 @@ def test_top_level_help_lists_the_commands_without_importing_torch() -> None:
     ).stdout
     assert out.strip().endswith("imported: []"), out
     assert all(name in out for name in COMMANDS)
+
+
+def test_top_level_help_names_every_bounded_method_and_benchmark() -> None:
+    assert all(method in COMMANDS["bounded"][1] for method in BOUNDED)
+    benches = [name.split()[1] for name, _ in leaf_parsers("bench")]
+    assert len(benches) > 1 and all(name in COMMANDS["bench"][1] for name in benches)
+
+
+def test_version_prints_the_installed_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stop:
+        main(["--version"])
+    assert stop.value.code == 0
+    assert capsys.readouterr().out.strip() == f"longkv {__version__}"
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
@@ -736,6 +751,18 @@ def test_ctrl_c_in_a_command_prints_one_line_with_what_was_kept_and_the_command(
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"longkv {argv[0]}: interrupted; "), err
     assert said in err[0]
+
+
+def test_ctrl_c_while_a_command_loads_prints_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def interrupted(name: str) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("longkv.cli.main.importlib.import_module", interrupted)  # torch loading
+    assert main(["ask", "--help"]) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["longkv ask: interrupted; nothing kept; rerun: longkv ask --help"]
 
 
 def ask_argv(model: str, doc: Path, *extra: str) -> list[str]:

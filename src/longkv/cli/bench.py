@@ -1,4 +1,4 @@
-"""`longkv bench kvm`, `bench train`, `bench document`, `bench qa` and `bench readme`: options
+"""`longkv bench kvm`, `train`, `document`, `qa`, `readme` and `routing`: options
 from their settings dataclasses."""
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from longkv.checks import SettingError
 from longkv.cli.args import DECLARED, HelpFormatter, build_settings, declared
+from longkv.version import __version__
 
 # command -> (module that builds its parser with `configure(name, parser)`, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -41,7 +42,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "bounded": (
         "longkv.cli.bounded",
-        "bounded caches (streaming, snapkv, kvm-fold) against full: NLL, memory, needles",
+        "bounded caches (streaming, snapkv, kvm-fold, quest, infllm) against full: NLL, "
+        "memory, needles",
     ),
     "bench": (
         "longkv.cli.bench",
@@ -73,6 +75,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         description="Long-context memory for transformers. `longkv COMMAND --help` for a "
         "command's options.",
     )
+    parser.add_argument("--version", action="version", version=f"longkv {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         sub = commands.add_parser(
@@ -86,10 +89,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse argv (default sys.argv[1:]) and run the chosen command; 2 on bad input, 130 after
-    Ctrl-C (train and study say where their run stands themselves)."""
+    Ctrl-C at any moment, the command's imports included (train and study say where their run
+    stands themselves)."""
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(argv[0] if argv and argv[0] in COMMANDS else None).parse_args(argv)
+    command = argv[0] if argv and argv[0] in COMMANDS else None
+    args = None
     try:
+        args = build_parser(command).parse_args(argv)
         build_settings(args)  # bad values are refused here, before the command starts
         return args.func(args, argv)
     except SettingError as err:
@@ -107,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         said = f"{kept}; resume with: {again}" if kept else f"nothing kept; rerun: {again}"
         for bar in list(getattr(tqdm, "_instances", ())):  # the line is not glued to a bar's
             bar.close()
-        print(f"longkv {args.command}: interrupted; {said}", file=sys.stderr)
+        print(f"longkv{f' {command}' if command else ''}: interrupted; {said}", file=sys.stderr)
         return 130
 
 
