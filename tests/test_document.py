@@ -13,6 +13,7 @@ import json
 import os
 import pickle
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -153,6 +154,8 @@ def flip_byte(path: Path) -> None:
         (lambda d: (d / STATE).write_bytes((d / STATE).read_bytes()[:-7]),
          f"{STATE} is truncated or changed"),
         (lambda d: (d / MANIFEST).unlink(), "no manifest.json, so not a saved read"),
+        (lambda d: shutil.rmtree(d), "the folder does not exist"),
+        (lambda d: shutil.rmtree(d) or d.write_text(""), "the folder is a file, not a save's"),
         (lambda d: (d / MANIFEST).write_text("{"), "manifest.json is corrupted"),
         (lambda d: edit_manifest(d, longkv="0.0.1"), "saved by longkv 0.0.1, and this is"),
         (lambda d: edit_manifest(d, format=99), "save format 99, and this longkv reads format 2"),

@@ -217,6 +217,11 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     """The manifest of a save, after checking every file it names: present, of its size and
     checksum."""
     where = f"read {folder}"
+    if not folder.is_dir():
+        what = "is a file, not a save's folder" if folder.exists() else "does not exist"
+        raise SavedReadError(
+            f"{where}: the folder {what} (a read is saved by `longkv read --save` or Document.save)"
+        )
     if not (folder / MANIFEST).is_file():
         raise SavedReadError(
             f"{where}: no {MANIFEST}, so not a saved read (or its save did not end)"
