@@ -1,9 +1,10 @@
-# Two entry points: `make run` (set up, then the main job on its default) and `make test`.
+# Two entry points: `make run` (set up, then the main job on its default) and `make test`;
+# `make test-fast`, a few minutes' first check: the core against its references and the README.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup run test lint
+.PHONY: setup run test test-fast lint
 
 $(BIN)/longkv: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -21,4 +22,12 @@ lint: setup
 	$(BIN)/ruff format --check src tests
 
 test: lint
+	@echo "the whole suite: about 9 minutes on 2 cores"
 	$(BIN)/pytest -q
+
+FAST := tests/test_kvm_reference.py tests/test_routed.py tests/test_fold.py tests/test_checks.py \
+	tests/test_architecture.py tests/test_cli_refusals.py tests/test_readme.py
+
+test-fast: lint
+	@echo "the core against its references, the fold, refusals and the README: about 3 minutes"
+	$(BIN)/pytest -q $(FAST)

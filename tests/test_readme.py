@@ -70,3 +70,16 @@ def test_a_readme_without_a_long_text_or_file_is_refused(tmp_path: Path) -> None
         run(ReadmeBenchSettings(readme=str(readme), out_dir=str(tmp_path)))
     with pytest.raises(SettingError, match="--readme PATH"):
         ReadmeBenchSettings(readme=str(tmp_path / "missing.md"))
+
+
+def test_make_test_fast_runs_a_subset_and_each_test_target_says_how_long() -> None:
+    make = (ROOT / "Makefile").read_text()
+    fast = re.search(r"^FAST := ((?:.*\\\n)*.*)$", make, re.M)
+    assert fast, "no FAST list in the Makefile"
+    files = fast.group(1).replace("\\\n", " ").split()
+    assert files and all((ROOT / f).is_file() for f in files), files
+    assert len(files) < len(list((ROOT / "tests").glob("test_*.py"))) / 2
+    for target in ("test", "test-fast"):
+        recipe = re.search(rf"^{target}:.*\n((?:\t.*\n)+)", make, re.M)
+        assert recipe and re.search(r"@echo .*about \d+ minutes", recipe.group(1)), target
+    assert "make test-fast" in (ROOT / "README.md").read_text()
