@@ -113,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         said = f"{kept}; resume with: {again}" if kept else f"nothing kept; rerun: {again}"
         for bar in list(getattr(tqdm, "_instances", ())):  # the line is not glued to a bar's
             bar.close()
-        print(f"longkv{f' {command}' if command else ''}: interrupted; {said}", file=sys.stderr)
+        who = f"longkv {command}" if command else "longkv"
+        print(f"{who}: interrupted; {said}", file=sys.stderr)
         return 130
 
 
