@@ -1,5 +1,5 @@
 # Two entry points: `make run` (set up, then the main job on its default) and `make test`;
-# `make test-fast`, a few minutes' first check: the core against its references and the README.
+# `make test-fast`, a first check in about a minute: the core against its references, the README.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -29,5 +29,5 @@ FAST := tests/test_kvm_reference.py tests/test_routed.py tests/test_fold.py test
 	tests/test_architecture.py tests/test_cli_refusals.py tests/test_readme.py
 
 test-fast: lint
-	@echo "the core against its references, the fold, refusals and the README: about 3 minutes"
+	@echo "the core against its references, the fold, refusals and the README: about 1 minute"
 	$(BIN)/pytest -q $(FAST)
