@@ -18,7 +18,8 @@ from conftest import assert_same_training, loss_and_grads
 from longkv.models import LongKVConfig, LongKVForCausalLM
 from longkv.train.checkpoint import CHECKPOINT
 from longkv.train.config import TrainConfig, lr_factor
-from longkv.train.loop import LabelledRows, batch_rows, evaluate, train
+from longkv.train.loop import batch_rows, train
+from longkv.train.rows import LabelledRows, evaluate
 
 HELPER = Path(__file__).parent / "helpers" / "ddp_train.py"
 CONFIG = LongKVConfig(

@@ -24,8 +24,9 @@ from longkv.results import OUT_DIR, OUT_DIR_HELP
 from longkv.train.checkpoint import CHECKPOINT
 from longkv.train.compare import compare_runs
 from longkv.train.data import document_files, split_every
-from longkv.train.loop import METRICS_FILE, Interrupted, evaluate, world
+from longkv.train.loop import METRICS_FILE, Interrupted
 from longkv.train.report import RUN_FILE
+from longkv.train.rows import evaluate, world
 from longkv.train.run import RunSections, describe_model, finished_run, load_run, train_run
 from longkv.train.tokenizer import load_tokenizer, train_bpe
 

@@ -50,13 +50,8 @@ from longkv.study.mqar_config import (
 from longkv.train.checkpoint import RESUMABLE, describe, differences
 from longkv.train.config import run_settings
 from longkv.train.data import pack_texts, packed_corpus, split_texts
-from longkv.train.loop import (
-    LabelledRows,
-    TrainingRows,
-    train,
-    train_device,
-    world,
-)
+from longkv.train.loop import train, train_device
+from longkv.train.rows import LabelledRows, TrainingRows, world
 from longkv.train.run import special_tokens
 from longkv.train.tokenizer import load_tokenizer
 

@@ -8,7 +8,8 @@ shards parameters, gradients and optimizer state. Each process uses the GPU of i
 when CUDA is available, else the CPU, in the arithmetic of `TrainConfig.precision`
 (`PRECISIONS`).
 Training rows are token rows, scored on every next token, or `LabelledRows`, scored on their
-labelled tokens only (the answers of MQAR rows, say). The run's settings, precisions and
+labelled tokens only (the answers of MQAR rows, say); rows and their loss are
+`longkv.train.rows`'. The run's settings, precisions and
 schedule are `longkv.train.config`'s.
 """
 
@@ -34,9 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from tqdm import tqdm
 
-from longkv.data import IGNORE
 from longkv.models import LongKVConfig, LongKVForCausalLM
-from longkv.nll import token_nll
 from longkv.results import replaced_atomically
 from longkv.train.checkpoint import (
     CHECKPOINT,
@@ -51,6 +50,14 @@ from longkv.train.config import (
     run_settings,
     schedule,
 )
+from longkv.train.rows import (
+    TrainingRows,
+    check_held_out,
+    evaluate,
+    mean_over_ranks,
+    next_token_loss,
+    world,
+)
 
 METRICS_FILE = "metrics.csv"  # one row per step: loss, lr, eval_loss on eval steps, seconds
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered, on rank 0's CPU
@@ -63,45 +70,6 @@ def compile_feedforward(model: LongKVForCausalLM) -> None:
     its own."""
     for block in model.model.layers:
         block.mlp.compile()
-
-
-@dataclass(frozen=True)
-class LabelledRows:
-    """Training or held-out rows that score only some tokens.
-
-    ids (N, L + 1) long: the tokens; labels (N, L + 1) long: the target at each position, -100
-    where unscored (`longkv.data.IGNORE`). The loss of a row is the mean cross
-    entropy of labels[:, 1:] given ids[:, :-1] over the labelled positions; plain token rows
-    (a Tensor) are the case labels == ids. Indexing and `to` act on both tensors.
-    """
-
-    ids: Tensor
-    labels: Tensor
-
-    def __post_init__(self) -> None:
-        if self.ids.shape != self.labels.shape or self.ids.dim() != 2:
-            raise ValueError(
-                f"LabelledRows: ids {tuple(self.ids.shape)} and labels "
-                f"{tuple(self.labels.shape)} must both be (N, L + 1)"
-            )
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, index: Tensor | slice) -> LabelledRows:
-        return LabelledRows(self.ids[index], self.labels[index])
-
-    def to(self, device: torch.device | str) -> LabelledRows:
-        """Both tensors on device."""
-        return LabelledRows(self.ids.to(device), self.labels.to(device))
-
-
-TrainingRows = Tensor | LabelledRows  # (N, L + 1) token rows, or rows with labels
-
-
-def world() -> tuple[int, int]:
-    """(rank, world size): from torchrun's environment, else (0, 1)."""
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
 def batch_rows(step: int, n_rows: int, batch_size: int, seed: int) -> Tensor:
@@ -259,7 +227,7 @@ def _step(run: TrainRun, train_rows: TrainingRows, step: int) -> dict[str, float
     rows = train_rows[batch_rows(step, len(train_rows), cfg.batch_size, cfg.seed)]
     mine = rows[run.rank * local : (run.rank + 1) * local].to(run.device)
     loss, lr = optimizer_step(run, mine, step)
-    return {"step": step + 1, "loss": _mean_over_ranks(loss, run.size), "lr": lr}
+    return {"step": step + 1, "loss": mean_over_ranks(loss, run.size), "lr": lr}
 
 
 def optimizer_step(run: TrainRun, rows: TrainingRows, step: int) -> tuple[Tensor, float]:
@@ -268,7 +236,7 @@ def optimizer_step(run: TrainRun, rows: TrainingRows, step: int) -> tuple[Tensor
     run.optimizer.zero_grad(set_to_none=True)
     run.load_work()
     with run.autocast:
-        loss = _next_token_loss(run.net, rows)
+        loss = next_token_loss(run.net, rows)
     loss.backward()
     run.take_gradients()
     if run.cfg.grad_clip is not None:
@@ -383,57 +351,6 @@ def train(
     finally:
         bar.close()  # before any message about the interruption
     return metrics
-
-
-def _next_token_loss(net: nn.Module, rows: TrainingRows, exact: bool = False) -> Tensor:
-    """Cross entropy of rows[:, 1:] given rows[:, :-1] (token rows), or of labels[:, 1:] given
-    ids[:, :-1] over the labelled positions (LabelledRows). exact: scored by `token_nll` (a
-    float64 value, for evaluation) rather than torch's float32 cross entropy (for gradients)."""
-    ids, labels = (rows.ids, rows.labels) if isinstance(rows, LabelledRows) else (rows, rows)
-    logits, targets = net(ids[:, :-1]).logits.flatten(0, 1), labels[:, 1:].flatten()
-    if exact:
-        scored = targets != IGNORE
-        return token_nll(logits[scored], targets[scored]).mean()
-    return nn.functional.cross_entropy(logits.float(), targets, ignore_index=IGNORE)
-
-
-def _mean_over_ranks(value: Tensor, size: int) -> float:
-    if size > 1:
-        value = value.clone()
-        dist.all_reduce(value)
-        value /= size
-    return float(value)
-
-
-def check_held_out(rows: TrainingRows, batch_size: int) -> None:
-    """ValueError unless the held-out rows fill one batch, in the run file's terms."""
-    if len(rows) < batch_size:
-        raise ValueError(
-            f"held-out rows: {len(rows)} do not fill one batch of {batch_size}; hold out more "
-            "documents (data.every=) or lower train.batch_size="
-        )
-
-
-@torch.no_grad()
-def evaluate(net: nn.Module, rows: TrainingRows, batches: int, batch_size: int) -> float:
-    """Mean next-token loss over the first `batches` full batches of held-out rows (N, L + 1)
-    (the mean over batches of each batch's loss, as in training, scored exactly: see
-    `_next_token_loss`).
-
-    Under torchrun each rank scores its slice of every batch (as in training) and the ranks
-    average, so the result does not depend on the number of processes.
-    """
-    rank, size = world()
-    check_held_out(rows, batch_size)
-    n = min(batches, len(rows) // batch_size)
-    local = batch_size // size
-    device = next(net.parameters()).device
-    losses = []
-    for i in range(n):
-        batch = rows[i * batch_size : (i + 1) * batch_size]
-        mine = batch[rank * local : (rank + 1) * local].to(device)
-        losses.append(_mean_over_ranks(_next_token_loss(net, mine, exact=True), size))
-    return sum(losses) / len(losses)
 
 
 def write_metrics(path: Path, metrics: list[dict[str, float]]) -> None:

@@ -12,7 +12,8 @@ from torch import Tensor
 
 from longkv.models import LongKVForCausalLM
 from longkv.results import finish_figure, markdown_table, pyplot, write_atomic
-from longkv.train.loop import METRICS_FILE, evaluate
+from longkv.train.loop import METRICS_FILE
+from longkv.train.rows import evaluate
 
 PROVENANCE = "provenance.json"  # in a run's out_dir: a record per finished `longkv train`
 RUN_FILE = "run.yaml"  # in a run's out_dir: the run file of its last finished `longkv train`
