@@ -59,6 +59,10 @@ def fill_units(
     ties) while their leaves, count (..., U), fit leaf_budget: a unit that does not fit what the
     units taken before it leave is skipped and the next ones are still tried (None: no bound);
     at most `most` of them (None: no bound)."""
+    if (leaf_budget is None or bool((count.sum(-1) <= leaf_budget).all())) and (
+        most is None or most >= key.shape[-1]
+    ):  # every unit fits: no order to take them in
+        return torch.ones_like(key, dtype=torch.bool)
     order = key.argsort(dim=-1, descending=True, stable=True)
     size = count.gather(-1, order)  # the units' leaves in that order
     taken = torch.ones_like(size, dtype=torch.bool)
