@@ -855,8 +855,9 @@ def test_ask_reads_stdin_and_uses_a_chat_template_when_the_tokenizer_has_one(
 @pytest.mark.parametrize(
     ("extra", "said"),
     [
-        (["--method", "full"], "argument --file: "),  # 600 words > 512 positions
+        (["--method", "full"], "argument --method: "),  # 600 words > 512 positions
         (["--method", "full"], "pass --allow-extrapolation"),
+        (["--method", "fold"], "(--method auto, the default, picks one) or ask for fewer --max"),
         (
             ["--method", "kvm-fold", "--budgets", "64", "128", "--stream-chunk", "16"],
             "argument --budgets: a document is read with one method run",
@@ -874,7 +875,7 @@ def test_ask_reads_stdin_and_uses_a_chat_template_when_the_tokenizer_has_one(
                 "--stream-chunk",
                 "16",
             ],
-            "argument --file: ",
+            "argument --method: ",
         ),
         (
             [

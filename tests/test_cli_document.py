@@ -179,3 +179,46 @@ def test_two_level_reads_as_the_default_setting_and_options_given_change_it(
         "tokens read by kvm-fold/fixed/cap1/open1024/rerank4096/token@2048 in "
         in capsys.readouterr().err
     )
+
+
+def test_auto_reads_by_the_fold_while_it_fits_and_by_infllm_past_the_models_positions(
+    tiny_model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The default method: the exact fold while the document, question and answer fit the
+    model's 2048 positions, InfLLM with its positions inside past them; one line says which,
+    and the options given set the chosen method."""
+    short, long = tmp_path / "short.txt", tmp_path / "long.txt"
+    short.write_text("The word is heliotrope. " * 20)  # 161 tokens
+    long.write_text("The word is heliotrope. " * 300)  # 2401 tokens
+    ask = ["ask", "--model", tiny_model, "--question", "Q?", "--max-new-tokens", "2"]
+    small = ["--budgets", "128", "--stream-chunk", "64"]
+    assert main([*ask, "--file", str(short), *small]) == 0
+    err = capsys.readouterr().err
+    assert "read by the exact fold: the 171 positions to read fit the model's 2048\n" in err
+    assert "161 tokens read by fold in " in err
+    assert main([*ask, "--file", str(long), *small]) == 0
+    err = capsys.readouterr().err
+    said = "read by infllm with positions inside its budget: the 2411 positions to read pass"
+    assert said in err and "2401 tokens read by infllm/inside@128 in " in err, err
+
+
+def test_a_read_past_the_models_positions_is_refused_before_its_weights_load(
+    tiny_model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    """The tokenizer and config tell the length; the refusal names --method and the options
+    that fix it (auto, fewer answer tokens), and no weights are loaded for it."""
+    from longkv.cli.common import LoadOptions
+
+    def never(*args: object) -> None:
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr(LoadOptions, "load_weights", never)
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The word is heliotrope. " * 20)  # 161 tokens
+    ask = ["ask", "--model", tiny_model, "--file", str(doc), "--question", "Q?"]
+    assert main([*ask, "--method", "fold", "--max-new-tokens", "4000"]) == 2
+    err = capsys.readouterr().err
+    assert "argument --method: the document, question and answer under fold take 4169 " in err
+    assert "max_position_embeddings = 2048" in err and "--method auto, the default" in err
+    assert "ask for fewer --max-new-tokens" in err and "--file" not in err.split("error:")[1]

@@ -223,6 +223,19 @@ def test_empty_or_non_text_documents_and_empty_questions_are_refused(
         doc.ask("  ")
 
 
+def test_read_by_default_takes_the_fold_while_the_document_fits_and_infllm_past_it() -> None:
+    """`read`'s auto: the exact fold while the document and ASK_ROOM positions fit the model's
+    1024, InfLLM@1024 with its positions inside past them; a config without a method refused."""
+    tokenizer = gpt2_tokenizer()
+    model = tiny_hf(**over_tokenizer(tokenizer), max_position_embeddings=1024).double()
+    short = read(model, tokenizer, TEXT[:2000], progress=False, **CHUNKS)  # 590 + 256 tokens
+    assert short.settings.method == "fold"
+    long = read(model, tokenizer, TEXT + TEXT[:400], progress=False, **CHUNKS)  # 960 + 256
+    assert (long.settings.method, long.settings.label) == ("infllm", "infllm/inside@1024")
+    with pytest.raises(SettingError, match="config: belongs to the method it configures"):
+        read(model, tokenizer, TEXT, config=method_config("streaming"), progress=False)
+
+
 SAVER = textwrap.dedent(
     """
     import sys

@@ -30,6 +30,8 @@ its window holds between seven eighths of `window` and `window` tokens.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
@@ -47,12 +49,13 @@ def places_inside(config: BoundedConfig) -> bool:
     return getattr(config, "positions", "exact") == "inside"
 
 
-def check_exact_positions(model: nn.Module, tokens: int, what: str) -> None:
-    """Refuse unless the model has positions for `tokens` (`what` takes them): a retrieval
-    cache keeps every token at its own position and never runs past the model's; the refusal
-    points to the caches that place positions inside their budget."""
+def check_exact_positions(config: Any, tokens: int, what: str) -> None:
+    """Refuse unless the model of `config` (its `PretrainedConfig`) has positions for `tokens`
+    (`what` takes them): a retrieval cache keeps every token at its own position and never
+    runs past the model's; the refusal points to the caches that place positions inside their
+    budget."""
     check_positions(
-        model, tokens, what,
+        config, tokens, what,
         switch="place its positions inside the budget (--positions inside, positions='inside'), "
         "or read it with a cache that places them so (streaming, snapkv, kvm-fold without "
         "--kvm-open / open=0)",
@@ -258,7 +261,7 @@ class RetrievalRunner(BoundedRunner):
         and `tokens` more (`check_exact_positions`); inside, every position is in the budget."""
         if not self.inside:
             check_exact_positions(
-                self.model, self.seen + tokens, "the input read so far and to come"
+                self.model.config, self.seen + tokens, "the input read so far and to come"
             )
 
     def forward(self, ids: Tensor, output: str = "logits") -> Tensor:

@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -26,10 +26,15 @@ from longkv.cli.common import LoadOptions, dtype_setting
 from longkv.decoding import Pick, Sampler, greedy
 from longkv.document.prompt import document_ids, question_ids
 from longkv.document.read import (
+    ASK_ROOM,
+    AUTO,
+    LONG_METHOD,
+    LONG_OPTIONS,
     METHODS,
     Answer,
     Document,
     ReadSettings,
+    auto_method,
     check_document,
     read_ids,
 )
@@ -66,9 +71,11 @@ class DocumentOptions(BoundedOptions):
     )  # fmt: skip
     file: str | None = setting(None, "the document: a text file, or - for standard input")
     method: str = setting(
-        "fold",
-        "how the model reads the document: full (one forward), fold (chunks of --chunk-size, "
-        "exact), a bounded cache (streaming, snapkv, kvm-fold, quest, infllm; one budget) or "
+        AUTO,
+        "how the model reads the document: auto (the fold while the document, question and "
+        "answer fit the model's trained positions, else infllm with --positions inside; one "
+        "line says which), full (one forward), fold (chunks of --chunk-size, exact), a bounded "
+        "cache (streaming, snapkv, kvm-fold, quest, infllm; one budget) or "
         "two-level (kvm-fold set as docs/kvfold.md's two-level setting: budget 2048 = "
         "4 sinks + 1024 slots + 1020 recent, --kvm-open 1024, --kvm-rerank 4096, "
         "--kvm-slot-cap 1, --routing token; an option changed from its own setting changes "
@@ -89,6 +96,8 @@ class DocumentOptions(BoundedOptions):
                 if getattr(self, name) == defaults[name]:
                     object.__setattr__(self, name, value)
             object.__setattr__(self, "method", "kvm-fold")
+        if self.method == AUTO:  # resolved by `chosen` once the document's length is known
+            return
         runs = self.labels((self.method,))
         require(
             len(runs) == 1, self, "budgets",
@@ -126,19 +135,36 @@ class DocumentOptions(BoundedOptions):
             self.chat, allow_extrapolation,
         )  # fmt: skip
 
-    def check_positions(self, model: torch.nn.Module, s: ReadSettings, needed: int) -> None:
-        """Refuse --file unless the model has positions for `needed` tokens read by s."""
-        if s.config is None:  # full attention and the fold place every token at its own position
-            with refused_as(self, "file"):
+    def chosen(self, config: Any, needed: int) -> DocumentOptions:
+        """These options with auto resolved for `needed` positions of the model of `config`
+        (`auto_method`), the choice said in one line on stderr."""
+        if self.method != AUTO:
+            return self
+        method, why = auto_method(config, needed)
+        print(f"read by {why}", file=sys.stderr)
+        return replace(self, method=method, **(LONG_OPTIONS if method == LONG_METHOD else {}))
+
+    def room(self, tokenizer: Any) -> int:
+        """Positions past the document's that the read must have: none for `read` (its
+        questions are not known)."""
+        return 0
+
+    def check_positions(self, config: Any, needed: int, allow_extrapolation: bool) -> None:
+        """Refuse --method unless the model of `config` has positions for `needed` tokens read
+        by it, before its weights load; the refusal names the options that fix it."""
+        what = f"the document, question and answer under {self.method}"
+        fix = "read it with a bounded method (--method auto, the default, picks one)"
+        if isinstance(self, AskOptions):
+            fix += " or ask for fewer --max-new-tokens"
+        if self.method in ("full", "fold"):  # each token at its own position
+            switch = f"{fix}; {CLI_SWITCH}"
+            with refused_as(self, "method"):
                 check_positions(
-                    model, needed, f"the document, question and answer under {s.method}",
-                    allow_extrapolation=s.allow_extrapolation, switch=CLI_SWITCH,
-                )  # fmt: skip
-        elif keeps_positions(s.config):  # so do the retrieval caches
-            with refused_as(self, "file"):
-                check_exact_positions(
-                    model, needed, f"the document, question and answer ({s.label})"
+                    config, needed, what, allow_extrapolation=allow_extrapolation, switch=switch
                 )
+        elif keeps_positions(next(iter(self.bounded_configs((self.method,)).values()))):
+            with refused_as(self, "method"):  # so do the retrieval caches at exact positions
+                check_exact_positions(config, needed, what)
 
 
 def two_level_options() -> dict[str, Any]:
@@ -196,6 +222,12 @@ class AskOptions(DocumentOptions):
         generator = torch.Generator().manual_seed(self.seed)
         return Sampler(self.temperature, self.top_k, self.top_p, generator)
 
+    def room(self, tokenizer: Any) -> int:
+        """Positions past the document's: the longest question and its answer (the last answer
+        token is never read)."""
+        asked = max(len(question_ids(tokenizer, q, self.chat)) for q in self.question)
+        return asked + self.max_new_tokens - 1
+
 
 @dataclass(frozen=True)
 class ReadOptions(DocumentOptions):
@@ -238,16 +270,18 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
         command(parser, run, LoadOptions, AskOptions)
 
 
-def read_document(m: LoadOptions, o: DocumentOptions, questions: tuple[str, ...] = ()) -> Document:
-    """Load the model and read the document by the options' method, after checking that the
-    model has positions for it and the longest of `questions` with its answer."""
+def read_document(m: LoadOptions, o: DocumentOptions) -> Document:
+    """Read the document by the options' method (auto: chosen by its length, `auto_method`),
+    after checking, before the model's weights load, that the model has positions for it and
+    for the longest question with its answer."""
     text = o.document()
-    model, tokenizer = m.load(o.dtype)
-    s = o.read_settings(model, m.allow_extrapolation)
+    path, config, tokenizer = m.entrance()
     ids = document_ids(tokenizer, text, o.chat)
-    asked = max((len(question_ids(tokenizer, q, o.chat)) for q in questions), default=0)
-    answer = o.max_new_tokens - 1 if isinstance(o, AskOptions) else 0  # the last is never read
-    o.check_positions(model, s, len(ids) + asked + answer)
+    room = o.room(tokenizer)
+    o = o.chosen(config, len(ids) + (room or ASK_ROOM))
+    o.check_positions(config, len(ids) + room, m.allow_extrapolation)
+    model = m.load_weights(path, o.dtype)
+    s = o.read_settings(model, m.allow_extrapolation)
     doc = read_ids(model, tokenizer, ids, s)
     doc.model_id = m.model
     print(f"{doc.tokens} tokens read by {s.label} in {doc.read_seconds:.1f} s", file=sys.stderr)
@@ -260,7 +294,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         doc = load(o.load, device=m.device)
         print(f"{doc.tokens} tokens read by {doc.settings.label}, loaded", file=sys.stderr)
     else:
-        doc = read_document(m, o, o.question)
+        doc = read_document(m, o)
     eos = getattr(doc.tokenizer, "eos_token_id", None)
     for i, question in enumerate(o.question):
         if len(o.question) > 1 and not o.json:

@@ -10,12 +10,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import PreTrainedConfig
 
 from longkv.checks import refused_as, require, setting
 from longkv.data.corpus import text_tokens
 from longkv.dtypes import DTYPES
 from longkv.fold.fold import CLI_SWITCH, check_positions
-from longkv.models.pretrained import DEFAULT_MODEL, load_pretrained
+from longkv.models.pretrained import (
+    DEFAULT_MODEL,
+    causal_lm_config,
+    load_model,
+    load_pretrained,
+    load_tokenizer,
+    resolve_model,
+)
 from longkv.results import OUT_DIR, OUT_DIR_HELP
 
 
@@ -45,6 +53,17 @@ class LoadOptions:
     def load(self, dtype: str) -> tuple[torch.nn.Module, Any]:
         """The model (in DTYPES[dtype]) and tokenizer these options name."""
         return load_pretrained(self.model, DTYPES[dtype], self.device, self.device_map)
+
+    def entrance(self) -> tuple[str, PreTrainedConfig, Any]:
+        """The model these options name without its weights: the folder or hub id to load it
+        from (`resolve_model`), its config and its tokenizer, for the checks a command makes
+        before the weights load (`load_weights`)."""
+        path = resolve_model(self.model)
+        return path, causal_lm_config(path), load_tokenizer(path)
+
+    def load_weights(self, path: str, dtype: str) -> torch.nn.Module:
+        """The model at `path` (from `entrance`) in DTYPES[dtype], where these options put it."""
+        return load_model(path, DTYPES[dtype], self.device, self.device_map)
 
 
 @dataclass(frozen=True)
@@ -92,7 +111,7 @@ def require_positions(
     --allow-extrapolation."""
     with refused_as(owner, name):
         check_positions(
-            model, needed, what, allow_extrapolation=allow_extrapolation, switch=CLI_SWITCH
+            model.config, needed, what, allow_extrapolation=allow_extrapolation, switch=CLI_SWITCH
         )
 
 

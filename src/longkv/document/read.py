@@ -47,8 +47,19 @@ from longkv.document.prompt import document_ids, question_ids
 from longkv.fold.fold import FOLD_CHUNK, FoldRunner, kv_fold
 from longkv.fold.generate import fold_generate
 
-# "two-level" reads as kvm-fold with slots opened (KVMFoldConfig.open), by default TWO_LEVEL
-METHODS = (*CACHE_METHODS, "two-level")
+# "two-level" reads as kvm-fold with slots opened (KVMFoldConfig.open), by default TWO_LEVEL;
+# "auto" as the document's length asks (`auto_method`)
+AUTO = "auto"
+METHODS = (*CACHE_METHODS, "two-level", AUTO)
+# `auto` past the model's trained positions: this bounded method, with these options over
+# BoundedOptions' defaults (InfLLM@1024, its window at its cache index, so that no distance
+# passes the budget): of the bounded methods measured past SmolLM2's 8K positions
+# (results/long_smollm2.md, 16K-64K), it and two-level sqrt@2048 found the most needles (150
+# points of 600 each), it with the lower NLL (3.85 / 3.89 / 3.83 against 3.90 / 4.01 / 4.02)
+# in 0.8 of the time; StreamingLLM@1024 found none (docs/document.md)
+LONG_METHOD, LONG_OPTIONS = "infllm", {"positions": "inside"}
+# positions an auto read keeps for the questions and answers where it does not know them
+ASK_ROOM = 256
 # leaves a fork may append before it copies the read's (`LeafStore.reserve`)
 LEAF_ROOM = 1024
 
@@ -85,14 +96,34 @@ class ReadSettings:
             )  # fmt: skip
 
 
+def auto_method(config: Any, tokens: int) -> tuple[str, str]:
+    """(method, why): how `auto` reads `tokens` positions (document, question and answer) with
+    the model of `config` (its `PretrainedConfig`): the exact fold while they fit its
+    max_position_embeddings, else LONG_METHOD; why says so in one line."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is None:
+        return "fold", "the exact fold: the model sets no bound on its positions"
+    if tokens <= limit:
+        return "fold", f"the exact fold: the {tokens} positions to read fit the model's {limit}"
+    return LONG_METHOD, (
+        f"{LONG_METHOD} with positions inside its budget: the {tokens} positions to read pass "
+        f"the model's {limit} trained ones (--method fold reads exactly while they fit)"
+    )
+
+
 def read_settings(
     method: str,
     config: BoundedConfig | None = None,
     **settings: Any,
 ) -> ReadSettings:
-    """The settings of a read by `method` (one of METHODS); a bounded method without a config
-    takes the command line's defaults (`BoundedOptions`; two-level: `TWO_LEVEL`)."""
+    """The settings of a read by `method` (one of METHODS but auto, which `read` resolves); a
+    bounded method without a config takes the command line's defaults (`BoundedOptions`;
+    two-level: `TWO_LEVEL`)."""
     require(method in METHODS, None, "method", f"must be one of {METHODS}, got {method!r}")
+    require(
+        method != AUTO, None, "method",
+        "auto is chosen from the document's length: read() resolves it (`auto_method`)",
+    )  # fmt: skip
     if method == "two-level":
         method = "kvm-fold"
         config = config or TWO_LEVEL
@@ -240,25 +271,34 @@ def read(
     model: nn.Module,
     tokenizer: Any,
     document: str | list[int],
-    method: str = "fold",
+    method: str = AUTO,
     *,
     config: BoundedConfig | None = None,
     progress: bool = True,
     **settings: Any,
 ) -> Document:
     """Read a document (a text, or its token ids as the prompt's document part) once, by
-    `method` (`METHODS`; a bounded one with `config`, else the command line's defaults), to ask
-    it questions. settings: chunk_size (fold; FOLD_CHUNK, 1024), stream_chunk (bounded;
-    STREAM_CHUNK, 64; both chosen by measurement, see them), chat (put the prompt in the
-    tokenizer's chat template, True), allow_extrapolation (False)."""
-    s = read_settings(method, config, **settings)
+    `method` (`METHODS`; a bounded one with `config`, else the command line's defaults; auto:
+    the exact fold while the document and ASK_ROOM positions fit the model's, else
+    LONG_METHOD, `auto_method`), to ask it questions. settings: chunk_size (fold; FOLD_CHUNK,
+    1024), stream_chunk (bounded; STREAM_CHUNK, 64; both chosen by measurement, see them), chat
+    (put the prompt in the tokenizer's chat template, True), allow_extrapolation (False)."""
+    chat = settings.get("chat", True)
     if isinstance(document, str):
         check_document(document)
-        ids = document_ids(tokenizer, document, s.chat)
+        ids = document_ids(tokenizer, document, chat)
     else:
         ids = [int(t) for t in document]
         require(bool(ids), None, "document", "has no tokens: there is nothing to read")
-    return read_ids(model, tokenizer, ids, s, progress)
+    if method == AUTO:
+        require(
+            config is None, None, "config",
+            "belongs to the method it configures; pass that method, not auto",
+        )  # fmt: skip
+        method = auto_method(model.config, len(ids) + ASK_ROOM)[0]
+        if method == LONG_METHOD:
+            ((_, config),) = BoundedOptions(**LONG_OPTIONS).bounded_configs((method,)).items()
+    return read_ids(model, tokenizer, ids, read_settings(method, config, **settings), progress)
 
 
 def read_ids(
@@ -279,7 +319,7 @@ def read_ids(
     else:
         runner = make_runner(model, s.config)
         if isinstance(runner, RetrievalRunner) and not runner.inside:
-            check_exact_positions(model, T, f"the document ({s.label})")
+            check_exact_positions(model.config, T, f"the document ({s.label})")
         whole = T // s.stream_chunk * s.stream_chunk
         if whole:
             bounded_fold(

@@ -151,7 +151,7 @@ def check_grid(model: nn.Module, s: NiahSettings, allow_extrapolation: bool = Fa
     needed = n - ANSWER_BUDGET + s.max_new_tokens - 1
     if exact:
         with refused_as(s, "lengths", f"{exact[0]}: {{}}"):
-            check_exact_positions(model, needed, f"{n} (the prompt, then the answer)")
+            check_exact_positions(model.config, needed, f"{n} (the prompt, then the answer)")
     if EXACT & set(s.methods):
         n = max(length for length in s.lengths if length <= s.exact_or_any)
         needed = n - ANSWER_BUDGET + s.max_new_tokens - 1
@@ -166,7 +166,7 @@ def check_grid(model: nn.Module, s: NiahSettings, allow_extrapolation: bool = Fa
         )
         with refused_as(s, "lengths"):
             check_positions(
-                model, needed, f"{n} under full attention and the fold ({what})",
+                model.config, needed, f"{n} under full attention and the fold ({what})",
                 allow_extrapolation=allow_extrapolation, switch=CLI_SWITCH,
             )  # fmt: skip
         if "fold" in s.methods:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -116,7 +116,7 @@ def check_foldable(model: nn.Module, T: int, *, allow_extrapolation: bool = Fals
             "`position_ids`; KV-Fold needs a model that uses the transformers cache API"
         )
     check_positions(
-        model, T, "the input, inserted prefixes and tokens to generate",
+        config, T, "the input, inserted prefixes and tokens to generate",
         allow_extrapolation=allow_extrapolation,
     )  # fmt: skip
 
@@ -131,21 +131,22 @@ FOLD_CHUNK = 1024
 
 
 def check_positions(
-    model: nn.Module,
+    config: Any,
     T: int,
     what: str,
     *,
     allow_extrapolation: bool = False,
     switch: str = "pass allow_extrapolation=True",
 ) -> None:
-    """Refuse the argument input_ids unless the model can run T positions (`what` takes them).
+    """Refuse the argument input_ids unless the model of `config` (its `PretrainedConfig`, read
+    before or after its weights load) can run T positions (`what` takes them).
 
     Past its max_position_embeddings only a rotary model (its config has `rope_parameters`)
     runs, and only with allow_extrapolation; `switch` says how to allow it where the refusal
     is read (the Python argument, or CLI_SWITCH).
     """
-    limit = getattr(model.config, "max_position_embeddings", None)
-    rotary = getattr(model.config, "rope_parameters", None) is not None
+    limit = getattr(config, "max_position_embeddings", None)
+    rotary = getattr(config, "rope_parameters", None) is not None
     if limit is None or T <= limit or (rotary and allow_extrapolation):
         return
     why = (

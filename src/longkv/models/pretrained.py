@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+from typing import Any
 
 import huggingface_hub
 import torch
@@ -327,8 +328,12 @@ def load_pretrained(
     """
     path = resolve_model(name_or_path)
     model = load_model(path, dtype, device, device_map)
+    return model, load_tokenizer(path)
+
+
+def load_tokenizer(path: str) -> Any:
+    """The tokenizer saved with the model at `path` (as `resolve_model` returns it)."""
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path)
     except OSError as err:  # transformers' several-line messages: the first says what is wrong
         raise OSError(f"model {path!r}: {first_line(err)}") from err
-    return model, tokenizer
