@@ -236,6 +236,24 @@ def test_read_by_default_takes_the_fold_while_the_document_fits_and_infllm_past_
         read(model, tokenizer, TEXT, config=method_config("streaming"), progress=False)
 
 
+def test_an_answer_comes_in_pieces_that_join_into_its_text_cut_where_it_repeats(
+    model_and_tokenizer: tuple[Any, Any],
+) -> None:
+    """`Document.ask`'s on_text pieces join into the answer's text, which is its tokens cut as
+    `AnswerWatch` cuts them (GPT-2 has no chat template: the first line); without the stop,
+    every token decoded."""
+    from longkv.document.repeat import AnswerWatch
+
+    model, tokenizer = model_and_tokenizer
+    doc = read(model, tokenizer, TEXT, "fold", progress=False, **CHUNKS)
+    for stop in (True, False):
+        pieces: list[str] = []
+        answer = doc.ask(QUESTIONS[0], 40, on_text=pieces.append, stop_at_repeat=stop)
+        assert "".join(pieces) == answer.text and len(pieces) > 1
+        cut, used = AnswerWatch(tokenizer, one_line=True, stops=stop).cut(answer.tokens)
+        assert (answer.text, len(answer.tokens)) == (cut, used)
+
+
 SAVER = textwrap.dedent(
     """
     import sys
@@ -281,7 +299,7 @@ def test_a_save_killed_at_random_points_never_loads_as_valid(
 
 
 def test_every_qa_answer_is_in_the_document_and_scored_by_string_match() -> None:
-    from longkv.bench.qa import QUESTIONS, TEXT, correct, cut_at_repeat
+    from longkv.bench.qa import QUESTIONS, TEXT, correct
     from longkv.data.corpus import read_text
 
     opening = read_text(TEXT)[:30000].lower()  # 7800 tokens hold over 30000 characters
@@ -289,10 +307,6 @@ def test_every_qa_answer_is_in_the_document_and_scored_by_string_match() -> None
     for question, accepted in QUESTIONS:
         assert any(a in opening for a in accepted), question
     assert correct("It is Mr. BINGLEY.", ("bingley",)) and not correct("Lucas Lodge", ("bingley",))
-    tokenizer = gpt2_tokenizer()
-    tokens = tokenizer("Kitty.\nThe answer is:\nThe answer is:\nLongbourn")["input_ids"]
-    text, used = cut_at_repeat(tokenizer, tokens)
-    assert text == "Kitty.\nThe answer is:" and tokenizer.decode(tokens[:used]).endswith("is:\n")
 
 
 def test_bench_document_sets_a_kept_read_against_a_fresh_one(

@@ -6,9 +6,9 @@ answers that a correct reply contains (any of them, case-insensitive), each foun
 tokens. Prompts: "after", the question after the document alone (what a kept read answers:
 one read, then every question); "both", the question stated before the document too (as
 long-context QA prompts do), which needs a read per question. Each answer is greedy and
-decoded to `max_new_tokens` in full, then scored twice: whole, and cut at its first line that
-repeats an earlier one (what `Document.ask` returns with stop_at_repeat, which stops decoding
-there). Answers are deterministic given the read, so the scores need no quiet machine; the
+decoded to `max_new_tokens` in full, then scored twice: whole, and cut where it starts to
+repeat itself (`document.repeat`: what `Document.ask` returns with stop_at_repeat, which stops
+decoding there). Answers are deterministic given the read, so the scores need no quiet machine; the
 seconds are reported only as what the run took.
 """
 
@@ -19,15 +19,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from longkv.bench.document import document_text
 from longkv.caches.bounded import STREAM_CHUNK
 from longkv.caches.kvm_fold import KVMFoldConfig
 from longkv.checks import require_at_least, require_known, setting
-from longkv.document.prompt import document_ids
-from longkv.document.read import RepeatedLine, read_ids, read_settings
+from longkv.document.prompt import document_ids, uses_template
+from longkv.document.read import read_ids, read_settings
+from longkv.document.repeat import AnswerWatch
 from longkv.dtypes import DTYPES
 from longkv.fold.fold import FOLD_CHUNK
 from longkv.results import OUT_DIR, OUT_DIR_HELP, markdown_table, provenance, write_report
@@ -82,17 +82,6 @@ def correct(answer: str, accepted: tuple[str, ...]) -> bool:
     return any(a in answer.lower() for a in accepted)
 
 
-def cut_at_repeat(tokenizer: Any, tokens: list[int]) -> tuple[str, int]:
-    """The answer's text up to its first line that repeats an earlier one, and the tokens
-    decoding would have made before it stopped there (`RepeatedLine`)."""
-    watch = RepeatedLine(tokenizer)
-    for i, token in enumerate(tokens):
-        if watch(torch.tensor([token])):
-            assert watch.cut is not None
-            return tokenizer.decode(tokens, skip_special_tokens=True)[: watch.cut].rstrip(), i + 1
-    return tokenizer.decode(tokens, skip_special_tokens=True), len(tokens)
-
-
 def answer_all(
     model: nn.Module, tokenizer: Any, text: str, method: str, prompt: str, s: QABenchSettings
 ) -> list[dict[str, Any]]:
@@ -110,7 +99,8 @@ def answer_all(
             ids = document_ids(tokenizer, text, question=first)
             kept = read_ids(model, tokenizer, ids, settings, progress=False)
         answer = kept.ask(question, s.max_new_tokens, stop_at_repeat=False)
-        cut, used = cut_at_repeat(tokenizer, answer.tokens)
+        one_line = not uses_template(tokenizer, True)
+        cut, used = AnswerWatch(tokenizer, one_line).cut(answer.tokens)
         out.append({
             "question": question, "answer": answer.text, "correct": correct(answer.text, accepted),
             "answer_at_repeat": cut, "correct_at_repeat": correct(cut, accepted),

@@ -191,8 +191,9 @@ class AskOptions(DocumentOptions):
     )  # fmt: skip
     max_new_tokens: int = setting(128, "answer tokens at most")
     stop_at_repeat: bool = setting(
-        True, "stop an answer at a line that repeats an earlier one (printed once)"
-    )
+        True, "stop an answer where it starts to repeat itself (8 tokens or a line said "
+        "again; never printed) and, without a chat template, at the end of its first line",
+    )  # fmt: skip
     sample: bool = setting(False, "sample instead of greedy")
     temperature: float = setting(1.0, "sampling temperature")
     top_k: int | None = setting(None, "sample from the k likeliest (default: all)")
@@ -243,25 +244,6 @@ class ReadOptions(DocumentOptions):
         require(self.file is not None, self, "file", "give the document to read")
 
 
-class Printer:
-    """Prints the answer as its tokens come (`Document.ask`'s on_token), up to eos."""
-
-    def __init__(self, tokenizer: Any, eos: int | None) -> None:
-        self.tokenizer, self.eos = tokenizer, eos
-        self.tokens: list[int] = []
-        self.shown = ""
-
-    def __call__(self, ids: torch.Tensor) -> None:
-        token = int(ids[0])
-        if token == self.eos:
-            return
-        self.tokens.append(token)
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        if not text.endswith("\ufffd"):  # a character cut between tokens waits for the next
-            print(text[len(self.shown) :], end="", flush=True)
-            self.shown = text
-
-
 def configure(name: str, parser: argparse.ArgumentParser) -> None:
     """The options of `ask` and `read`."""
     if name == "read":
@@ -288,6 +270,11 @@ def read_document(m: LoadOptions, o: DocumentOptions) -> Document:
     return doc
 
 
+def show(text: str) -> None:
+    """Print a piece of an answer as it comes (`Document.ask`'s on_text)."""
+    print(text, end="", flush=True)
+
+
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     m, o = args.settings[LoadOptions], args.settings[AskOptions]
     if o.load is not None:
@@ -295,13 +282,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         print(f"{doc.tokens} tokens read by {doc.settings.label}, loaded", file=sys.stderr)
     else:
         doc = read_document(m, o)
-    eos = getattr(doc.tokenizer, "eos_token_id", None)
     for i, question in enumerate(o.question):
         if len(o.question) > 1 and not o.json:
             print(f"question {i + 1} of {len(o.question)}: {question}", file=sys.stderr)
-        printer = None if o.json else Printer(doc.tokenizer, eos)
         answer: Answer = doc.ask(
-            question, o.max_new_tokens, pick=o.pick(), on_token=printer,
+            question, o.max_new_tokens, pick=o.pick(), on_text=None if o.json else show,
             stop_at_repeat=o.stop_at_repeat,
         )  # fmt: skip
         print(json.dumps(answer.as_json()) if o.json else "", flush=True)

@@ -17,6 +17,7 @@ the rounding of the forwards' shapes.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,7 +44,8 @@ from longkv.caches.methods import (
 from longkv.caches.retrieval import RetrievalRunner, check_exact_positions
 from longkv.checks import require
 from longkv.decoding import Pick, greedy
-from longkv.document.prompt import document_ids, question_ids
+from longkv.document.prompt import document_ids, question_ids, uses_template
+from longkv.document.repeat import AnswerWatch
 from longkv.fold.fold import FOLD_CHUNK, FoldRunner, kv_fold
 from longkv.fold.generate import fold_generate
 
@@ -161,30 +163,6 @@ class Answer:
         }  # fmt: skip
 
 
-class RepeatedLine:
-    """Watches an answer's tokens (B = 1) as they come: True, to stop decoding, once a finished
-    line repeats an earlier non-empty one; `cut` is then where that line starts in the text."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self.tokens: list[int] = []
-        self.lines = 0  # finished lines seen
-        self.cut: int | None = None
-
-    def __call__(self, ids: torch.Tensor) -> bool:
-        self.tokens.append(int(ids[0]))
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        finished = text.split("\n")[:-1]
-        if len(finished) == self.lines:
-            return False
-        self.lines = len(finished)
-        last = finished[-1].strip()
-        if last and last in {line.strip() for line in finished[:-1]}:
-            self.cut = len("\n".join(finished[:-1]))
-            return True
-        return False
-
-
 @dataclass
 class Document:
     """A document read by one method: the runner as the read left it, the document's tokens it
@@ -216,13 +194,15 @@ class Document:
         max_new_tokens: int = 128,
         *,
         pick: Pick = greedy,
-        on_token: Any = None,
+        on_text: Callable[[str], object] | None = None,
         stop_at_repeat: bool = True,
         progress: bool = False,
     ) -> Answer:
         """Answer a question from the read, without changing it: greedy unless `pick` samples;
-        on_token sees each new token (B,) as it comes; stop_at_repeat: stop at a line that
-        repeats an earlier one (left out of the answer's text)."""
+        on_text sees the answer's text in pieces as they come, which join into its text;
+        stop_at_repeat: stop where the answer starts to repeat itself, and without a chat
+        template at the end of its first line (`document.repeat`; the repeat is never in a
+        piece nor in the text)."""
         require(bool(question.strip()), None, "question", "is empty; ask something")
         require(max_new_tokens >= 1, None, "max_new_tokens", f"must be >= 1, got {max_new_tokens}")
         s, tok = self.settings, self.tokenizer
@@ -231,14 +211,22 @@ class Document:
         eos = getattr(tok, "eos_token_id", None)
         start = time.perf_counter()
         first: list[float] = []
-        repeated = RepeatedLine(tok)
+        watch = AnswerWatch(tok, one_line=not uses_template(tok, s.chat), stops=stop_at_repeat)
+        shown = [0]  # the characters of the text given to on_text
+
+        def show(text: str) -> None:
+            if on_text is not None and len(text) > shown[0]:
+                on_text(text[shown[0] :])
+                shown[0] = len(text)
 
         def seen(token: torch.Tensor) -> bool:
             if not first:
                 first.append(time.perf_counter() - start)
-            if on_token is not None:
-                on_token(token)
-            return stop_at_repeat and repeated(token)
+            if int(token[0]) == eos:
+                return False
+            stop = watch(token)
+            show(watch.final() if stop else watch.text[: watch.shown])
+            return stop
 
         runner = fork(self.runner)
         if isinstance(runner, FoldRunner):
@@ -254,10 +242,10 @@ class Document:
                 progress=progress, pick=pick, on_token=seen, desc=s.label,
             )  # fmt: skip
         tokens = [t for t in out[0].tolist() if t != eos]
-        text = tok.decode(tokens, skip_special_tokens=True)
+        text = watch.final()
+        show(text)
         return Answer(
-            question, text[: repeated.cut].rstrip() if repeated.cut is not None else text, tokens,
-            first[0], time.perf_counter() - start, ids.shape[1],
+            question, text, tokens, first[0], time.perf_counter() - start, ids.shape[1]
         )  # fmt: skip
 
 

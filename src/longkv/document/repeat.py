@@ -1,0 +1,108 @@
+"""Where an answer starts to repeat itself, or a base model's answer line ends: decoding stops
+there, and the text shown as the answer comes never includes what is cut.
+
+A small model that has said what it knows often says it again ("I am not sure. I am not
+sure. ..."), within a line or line by line, until the token limit. `AnswerWatch` watches the tokens
+as they come (B = 1) and stops decoding at the first of:
+- its last `NGRAM` tokens occur earlier in the answer: the answer ends where they start;
+- a finished line repeats an earlier non-empty line: the answer ends before it;
+- with `one_line` (a prompt without a chat template, "...\\nAnswer:", whose base model would go
+  on to the next "Question:"), a newline after some text: the answer is its first line.
+What may still turn out to be the start of a repeat is held back from `shown`: the longest run
+of last tokens that occurs earlier in the answer (fewer than NGRAM; at least the last token),
+and a line so far that an earlier line begins with. So a printer that shows `text[:shown]` as
+it grows never shows a repeat, and at the end shows the rest of `text`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# an answer stops where its last NGRAM tokens occur earlier in it: a repeated clause of a
+# sentence, not a repeated name or phrase of a few tokens
+NGRAM = 8
+
+
+class AnswerWatch:
+    """An answer's tokens as they come (`__call__`: True to stop decoding; never with `stops`
+    False), its `text` so far (`final`: the answer, cut before a repeat) and `shown`, how much of
+    that text no repeat can take back."""
+
+    def __init__(
+        self, tokenizer: Any, one_line: bool = False, stops: bool = True, ngram: int = NGRAM
+    ) -> None:  # fmt: skip
+        self.tokenizer, self.one_line, self.stops, self.ngram = tokenizer, one_line, stops, ngram
+        self.tokens: list[int] = []
+        self.text = ""
+        self.shown = 0
+        self.stopped = False
+
+    def decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def echo(self) -> tuple[int, int]:
+        """(k, j): the longest run of last tokens, k of them (up to ngram), that occurs earlier
+        in the answer, at token j (its first place; (0, 0) if none)."""
+        t, n = self.tokens, len(self.tokens)
+        for k in range(min(self.ngram, n - 1), 0, -1):
+            last = t[n - k :]
+            j = next((j for j in range(n - k) if t[j : j + k] == last), None)
+            if j is not None:
+                return k, j
+        return 0, 0
+
+    def start_of(self, text: str, k: int, j: int) -> int:
+        """Where in text the last k tokens' repeat of tokens j.. starts, moved back over the
+        characters before it that also stand before its earlier place (" I am ..." repeating
+        "I am ...": the repeat starts at "I", though the token " I" is not the token "I")."""
+        at = len(self.decode(self.tokens[: len(self.tokens) - k]))
+        earlier = len(self.decode(self.tokens[:j]))
+        while earlier > 0 and at > earlier and text[at - 1] == text[earlier - 1]:
+            at, earlier = at - 1, earlier - 1
+        return at
+
+    def __call__(self, ids: torch.Tensor) -> bool:
+        self.tokens.append(int(ids[0]))
+        text = self.decode(self.tokens)
+        safe = len(text)
+        if self.stops:
+            k, j = self.echo()
+            if k >= self.ngram:  # the answer ends where the repeated tokens start
+                return self.stop(self.start_of(text, k, j), text)
+            lines = text.split("\n")
+            start = len(text) - len(lines[-1])  # where the line being written starts
+            if len(lines) > 1:
+                finished = lines[-2].strip()
+                if self.one_line and finished and not any(line.strip() for line in lines[:-2]):
+                    return self.stop(start, text)
+                if finished and finished in {line.strip() for line in lines[:-2]}:
+                    return self.stop(start - len(lines[-2]) - 1, text)
+            # the last token is held back even when it repeats nothing yet: a repeat found at
+            # the next may start inside it (" I" before " am not", repeating "I am not")
+            safe = self.start_of(text, k, j) if k else len(self.decode(self.tokens[:-1]))
+            current = lines[-1].strip()
+            if current and any(line.strip().startswith(current) for line in lines[:-1]):
+                safe = min(safe, start)
+        if text.endswith("\ufffd"):  # a character cut between tokens waits for the next
+            safe = min(safe, len(text) - 1)
+        self.text, self.shown = text, max(self.shown, len(text[:safe].rstrip()))
+        return False
+
+    def stop(self, cut: int, text: str) -> bool:
+        """Stop decoding: the answer is the text before `cut`."""
+        self.text, self.stopped = text[: max(cut, 0)].rstrip(), True
+        return True
+
+    def final(self) -> str:
+        """The answer's text once decoding ended: cut where it stopped, else all of it."""
+        return self.text if self.stopped else self.decode(self.tokens)
+
+    def cut(self, tokens: list[int]) -> tuple[str, int]:
+        """Watch `tokens` (decoded to their end without stopping) as decoding would have: the
+        answer's text and the number of tokens decoding would have made."""
+        for i, token in enumerate(tokens):
+            if self(torch.tensor([token])):
+                return self.text, i + 1
+        return self.final(), len(tokens)
