@@ -760,9 +760,28 @@ def test_ctrl_c_while_a_command_loads_prints_one_line(
         raise KeyboardInterrupt
 
     monkeypatch.setattr("longkv.cli.main.importlib.import_module", interrupted)  # torch loading
-    assert main(["ask", "--help"]) == 130
+    assert main(["ask", "--question", "Q"]) == 130
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["longkv ask: interrupted; nothing kept; rerun: longkv ask --help"]
+    assert err == ["longkv ask: interrupted; nothing kept; rerun: longkv ask --question Q"]
+
+
+def test_kept_help_is_what_the_parsers_render_and_prints_without_torch() -> None:
+    """`longkv CMD --help` prints the kept text (cli/help.json), the same as the parsers
+    render, without importing torch; run `python -m longkv.cli.helptext` after changing an
+    option."""
+    from longkv.cli.helptext import HELP_FILE, rendered
+
+    kept = json.loads(HELP_FILE.read_text(encoding="utf-8"))
+    live = rendered()
+    changed = sorted(k for k in {*kept, *live} if kept.get(k) != live.get(k))
+    assert not changed, f"{changed}: run python -m longkv.cli.helptext"
+    code = (
+        "import sys\nfrom longkv.cli.main import main\nmain(['bench', 'routing', '-h'])\n"
+        "print('torch' in sys.modules, 'transformers' in sys.modules)"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert run.stdout.startswith("usage: longkv bench routing [-h]"), run.stdout[:200]
+    assert run.stdout.rstrip().endswith("False False")
 
 
 def ask_argv(model: str, doc: Path, *extra: str) -> list[str]:
@@ -859,10 +878,6 @@ def test_ask_reads_stdin_and_uses_a_chat_template_when_the_tokenizer_has_one(
         (["--method", "full"], "pass --allow-extrapolation"),
         (["--method", "fold"], "(--method auto, the default, picks one) or ask for fewer --max"),
         (
-            ["--method", "kvm-fold", "--budgets", "64", "128", "--stream-chunk", "16"],
-            "argument --budgets: a document is read with one method run",
-        ),
-        (
             [
                 "--method",
                 "kvm-fold",
@@ -904,6 +919,22 @@ def test_ask_refuses_before_reading_what_it_cannot_read(
     assert main(ask_argv(tiny_model, doc, *extra)) == 2
     err = capsys.readouterr().err
     assert said in err and "Traceback" not in err, err
+
+
+def test_ask_takes_one_value_under_a_singular_name_the_plural_still_accepted(
+    tiny_model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    doc = tmp_path / "doc.txt"
+    doc.write_text("word " * 100)
+    with pytest.raises(SystemExit):
+        main(ask_argv(tiny_model, doc, "--method", "streaming", "--budget", "64", "128"))
+    assert "unrecognized arguments: 128" in capsys.readouterr().err
+    for flag in ("--budget", "--budgets"):
+        argv = ask_argv(
+            tiny_model, doc, "--method", "streaming", flag, "64", "--stream-chunk", "16"
+        )
+        assert main(argv) == 0
+        assert "tokens read by streaming@64 in " in capsys.readouterr().err
 
 
 def test_bounded_puts_two_level_runs_on_the_page_with_their_leaves_and_routes(

@@ -146,7 +146,12 @@ def test_ask_and_read_offer_only_the_options_of_one_method_run() -> None:
     for command in ("ask", "read"):
         parser = build_parser(command)._subparsers._group_actions[0].choices[command]  # type: ignore[union-attr]
         text = " ".join(parser.format_help().split())
-        assert "--only" not in text and "(one budget;" in text and "(one value;" in text
+        assert "--only" not in text and "BUDGET [" not in text and "KVM_OPEN [" not in text
+        assert "--budget BUDGET, --budgets BUDGET" in text and "--kvm-state KVM_STATE," in text
+        groups = [g.title for g in parser._action_groups if g._group_actions]
+        assert groups[1] == "the document and the questions"  # after -h's
+        assert groups.index("how the document is read (see below)") < groups.index("the model")
+        assert groups[-1] == "infllm options (expert)"
 
 
 def test_two_level_reads_as_the_default_setting_and_options_given_change_it(
@@ -160,6 +165,7 @@ def test_two_level_reads_as_the_default_setting_and_options_given_change_it(
 
     def config(**given: object) -> object:
         options = AskOptions(file="doc.txt", question=("q",), method="two-level", **given)
+        options = options.chosen(None, 0, frozenset(given))
         assert options.method == "kvm-fold"
         ((c,),) = [tuple(options.bounded_configs(("kvm-fold",)).values())]
         return c
@@ -170,6 +176,8 @@ def test_two_level_reads_as_the_default_setting_and_options_given_change_it(
     assert config(budgets=(4096,), kvm_open=(8,)) == dataclasses.replace(
         TWO_LEVEL, budget=4096, open=8
     )
+    # given at kvm-fold's own default, an option still sets its part
+    assert config(routing="block") == dataclasses.replace(TWO_LEVEL, routing="block")
     # kvm-fold itself keeps the coarse defaults
     plain = AskOptions(file="doc.txt", question=("q",), method="kvm-fold")
     assert list(plain.bounded_configs(("kvm-fold",))) == ["kvm-fold/fixed@1024"]
@@ -222,3 +230,34 @@ def test_a_read_past_the_models_positions_is_refused_before_its_weights_load(
     assert "argument --method: the document, question and answer under fold take 4169 " in err
     assert "max_position_embeddings = 2048" in err and "--method auto, the default" in err
     assert "ask for fewer --max-new-tokens" in err and "--file" not in err.split("error:")[1]
+
+
+@pytest.mark.parametrize(
+    ("extra", "said"),
+    [
+        (["--method", "streaming", "--kvm-open", "8"], "argument --kvm-open: is read by kvm-fold "
+         "only, and streaming ignores it: drop it, or pass --method kvm-fold"),
+        (["--method", "fold", "--budget", "64"], "argument --budget: is read by streaming, "),
+        (["--method", "infllm", "--quest-page", "8"], "argument --quest-page: is read by quest"),
+        (["--method", "streaming", "--chunk-size", "64"], "argument --chunk-size: is read by fold"),
+    ],
+)  # fmt: skip
+def test_an_option_the_named_method_ignores_is_refused(
+    tiny_model: str, document: Path, capsys: pytest.CaptureFixture[str], extra: list[str],
+    said: str,
+) -> None:  # fmt: skip
+    argv = ["ask", "--model", tiny_model, "--file", str(document), "--question", "Q?", *extra]
+    assert main(argv) == 2
+    assert said in capsys.readouterr().err
+
+
+def test_an_option_a_saved_read_keeps_is_refused_with_load(
+    tiny_model: str, document: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    save = tmp_path / "read"
+    assert main(["read", "--model", tiny_model, "--file", str(document), "--save", str(save)]) == 0
+    ask = ["ask", "--load", str(save), "--question", "Q?", "--max-new-tokens", "2"]
+    for extra, flag in ((["--model", tiny_model], "--model"), (["--method", "fold"], "--method")):
+        assert main([*ask, *extra]) == 2
+        assert f"argument {flag}: is the saved read's (--load)" in capsys.readouterr().err
+    assert main([*ask, "--device", "cpu", "--json"]) == 0

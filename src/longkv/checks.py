@@ -64,13 +64,16 @@ def setting(
     positional: bool = False,
     feeds: tuple[type, str] | None = None,
     repeated: bool = False,
+    flag: str | None = None,
 ) -> Any:
     """A dataclass field with its default, a help text and (optionally) its allowed values;
     for a tuple field, `choices` are the allowed items. On the command line a `required` field
     must be given, and a `positional` one is given without a flag (a tuple: zero or more).
     feeds (cls, name): the value (each value, for a tuple) is passed on to field `name` of
     settings class cls, so a refusal of that field (or of a subclass's) is this setting's.
-    repeated: a tuple field whose option is given once per value (`--question A --question B`)."""
+    repeated: a tuple field whose option is given once per value (`--question A --question B`).
+    flag: the option's name where it is not --field-name (which stays an alias); a tuple field
+    with a flag takes one value (a singular name for a field whose class holds several)."""
     metadata = {
         "help": help,
         "choices": None if choices is None else tuple(choices),
@@ -78,6 +81,7 @@ def setting(
         "positional": positional,
         "feeds": feeds,
         "repeated": repeated,
+        "flag": flag,
     }
     return dataclasses.field(default=default, metadata=metadata)
 

@@ -17,6 +17,7 @@ import types
 import typing
 from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields
+from fnmatch import fnmatch
 from typing import Any, TypeVar
 
 from longkv.checks import SettingError, typed
@@ -24,6 +25,36 @@ from longkv.checks import SettingError, typed
 S = TypeVar("S")
 Command = Callable[[argparse.Namespace, list[str]], int]  # (parsed options, argv) -> exit status
 DECLARED = "declared"  # the Namespace attribute holding the chosen command's Declared
+GIVEN = "given"  # the Namespace attribute holding the fields whose options the command line gave
+Groups = tuple[tuple[str, tuple[str, ...]], ...]  # (title, fnmatch patterns of field names)
+
+
+class Given(argparse.Action):
+    """An action that also records its field in the Namespace's GIVEN set, so that a command
+    can tell an option given at its default from one not given (`given`)."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
+        super().__call__(parser, namespace, values, option_string)  # type: ignore[misc]
+        if getattr(namespace, GIVEN, None) is None:
+            setattr(namespace, GIVEN, set())
+        getattr(namespace, GIVEN).add(self.dest)
+
+
+class StoreGiven(Given, argparse._StoreAction):
+    pass
+
+
+class AppendGiven(Given, argparse._AppendAction):
+    pass
+
+
+class SwitchGiven(Given, argparse.BooleanOptionalAction):
+    pass
+
+
+def given(args: argparse.Namespace) -> frozenset[str]:
+    """The fields whose options the command line gave (at any value, the default included)."""
+    return frozenset(getattr(args, GIVEN, None) or ())
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -95,13 +126,14 @@ def declared(parser: argparse.ArgumentParser) -> Declared:
     return found
 
 
-def add_settings(parser: argparse.ArgumentParser, cls: type) -> None:
+def add_settings(parser: argparse.ArgumentParser, cls: type, groups: Groups = ()) -> None:
     """One option per field of the settings dataclass cls (see the module docstring), but the
     fields it names in its class attribute `omitted` (inherited settings its command does not
-    use: they keep their defaults)."""
+    use: they keep their defaults); each in the first of `groups` whose patterns match its
+    name (made in that order on first use), else among the parser's options."""
     hints = typing.get_type_hints(cls)
     spec = declared(parser)
-    for f in fields(cls):
+    for f in sorted(fields(cls), key=lambda f: place(f.name, groups)):
         if f.name in getattr(cls, "omitted", ()):
             continue
         owner = f"{cls.__name__}.{f.name}"
@@ -110,42 +142,75 @@ def add_settings(parser: argparse.ArgumentParser, cls: type) -> None:
             raise TypeError(f"{owner}: declare it with longkv.checks.setting(default, help)")
         positional = f.metadata.get("positional", False)
         flag = f.name if positional else "--" + f.name.replace("_", "-")
+        names = list(dict.fromkeys([f.metadata.get("flag") or flag, flag]))  # the alias after
         kind, options = hints[f.name], dict(default=f.default, help=help_text)
         if not positional:
             options.update(dest=f.name, required=f.metadata.get("required", False))
+        target = group_for(parser, f.name, groups)
         if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **options)
+            target.add_argument(*names, action=SwitchGiven, **options)
         else:
+            options["action"] = StoreGiven
             if typing.get_origin(kind) in (typing.Union, types.UnionType):  # X | None: X
                 kind = next(k for k in typing.get_args(kind) if k is not type(None))
             if typing.get_origin(kind) is tuple and f.metadata.get("repeated"):
                 kind = typing.get_args(kind)[0]
-                options.update(action="append", default=None)
+                options.update(action=AppendGiven, default=None)
             elif typing.get_origin(kind) is tuple:
-                kind, options["nargs"] = typing.get_args(kind)[0], "*" if positional else "+"
+                single = f.metadata.get("flag") is not None
+                kind = typing.get_args(kind)[0]
+                options["nargs"] = 1 if single else "*" if positional else "+"
             choices = f.metadata.get("choices")
             if choices is not None:  # listed once in the help, not in every usage line
                 options["help"] += f" (choices: {shown(choices)})"
-                options["metavar"] = f.name.upper()
-            parser.add_argument(flag, type=kind, choices=choices, **options)
-        spec.flags[cls, f.name] = flag
+            if choices is not None or len(names) > 1:  # the name shown, not the field's
+                options["metavar"] = names[0].lstrip("-").replace("-", "_").upper()
+            target.add_argument(*names, type=kind, choices=choices, **options)
+        spec.flags[cls, f.name] = names[0]
         if f.metadata.get("feeds") is not None:
             spec.feeds.append((*f.metadata["feeds"], flag))
     spec.classes.append(cls)
+
+
+def place(name: str, groups: Groups) -> tuple[int, int]:
+    """Where field `name` goes among groups: (group, pattern) of the first match; after them."""
+    for i, (_, patterns) in enumerate(groups):
+        for j, pattern in enumerate(patterns):
+            if fnmatch(name, pattern):
+                return i, j
+    return len(groups), 0
+
+
+def group_for(parser: argparse.ArgumentParser, name: str, groups: Groups) -> Any:
+    """The argument group of field `name`: the first of groups whose patterns match it (made,
+    with every group before it, on first use, so they show in groups' order), else parser."""
+    at = place(name, groups)[0]
+    if at == len(groups):
+        return parser
+    title = groups[at][0]
+    made = {g.title: g for g in parser._action_groups}
+    for t, _ in groups:
+        if t not in made:
+            made[t] = parser.add_argument_group(t)
+        if t == title:
+            break
+    return made[title]
 
 
 Kept = str | Callable[[argparse.Namespace], str | None] | None
 
 
 def command(
-    parser: argparse.ArgumentParser, run: Command, *classes: type, kept: Kept = None
-) -> None:
+    parser: argparse.ArgumentParser, run: Command, *classes: type, kept: Kept = None,
+    groups: Groups = (),
+) -> None:  # fmt: skip
     """Make parser the command that runs `run(args, argv)` on the settings of classes: their
-    fields become its options (`add_settings`), built into `args.settings` before it runs.
-    kept: what an interrupted run keeps, for the one line Ctrl-C prints: a phrase, or a function
-    of the parsed options that says what is kept now (None: nothing, the command starts over)."""
+    fields become its options (`add_settings`, in `groups`), built into `args.settings` before
+    it runs. kept: what an interrupted run keeps, for the one line Ctrl-C prints: a phrase, or a
+    function of the parsed options that says what is kept now (None: nothing, the command
+    starts over)."""
     for cls in classes:
-        add_settings(parser, cls)
+        add_settings(parser, cls, groups)
     parser.set_defaults(func=run, kept=kept)
 
 

@@ -9,7 +9,8 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -18,10 +19,10 @@ import torch
 from longkv.caches.bounded import BoundedConfig
 from longkv.caches.kvm_fold import STATES, TWO_LEVEL, KVMFoldConfig
 from longkv.caches.leaves import LEAF_STORES
-from longkv.caches.methods import BoundedOptions, keeps_positions
+from longkv.caches.methods import BOUNDED, BoundedOptions, keeps_positions
 from longkv.caches.retrieval import check_exact_positions
 from longkv.checks import refused_as, require, require_at_least, setting
-from longkv.cli.args import command
+from longkv.cli.args import Groups, command, given
 from longkv.cli.common import LoadOptions, dtype_setting
 from longkv.decoding import Pick, Sampler, greedy
 from longkv.document.prompt import document_ids, question_ids
@@ -50,24 +51,23 @@ class DocumentOptions(BoundedOptions):
     omitted: ClassVar[tuple[str, ...]] = ("only",)
     budgets: tuple[int, ...] = setting(
         (1024,),
-        "entries per layer and KV head of the bounded method (one budget; the leaves of "
-        "two-level kvm-fold, quest and infllm outside it)",
-        feeds=(BoundedConfig, "budget"),
-    )
+        "entries per layer and KV head of the bounded method (the leaves of two-level "
+        "kvm-fold, quest and infllm outside it)",
+        feeds=(BoundedConfig, "budget"), flag="--budget",
+    )  # fmt: skip
     kvm_states: tuple[str, ...] = setting(
-        ("fixed",), "kvm-fold: its state budget (one)", choices=STATES,
-        feeds=(KVMFoldConfig, "state"),
+        ("fixed",), "kvm-fold: its state budget", choices=STATES,
+        feeds=(KVMFoldConfig, "state"), flag="--kvm-state",
     )  # fmt: skip
     kvm_open: tuple[int, ...] = setting(
         (0,),
         "kvm-fold: two-level KVM-Fold: slots each query head opens to the exact tokens they "
-        "own (one value; 0: the coarse state alone)",
-        feeds=(KVMFoldConfig, "open"),
-    )
+        "own (0: the coarse state alone)",
+        feeds=(KVMFoldConfig, "open"), flag="--kvm-open",
+    )  # fmt: skip
     kvm_leaves: tuple[str, ...] = setting(
         ("exact",), "kvm-fold: two-level KVM-Fold: the store of the tokens that left the "
-        "window (one: exact, int8 or file)", choices=LEAF_STORES,
-        feeds=(KVMFoldConfig, "leaves"),
+        "window", choices=LEAF_STORES, feeds=(KVMFoldConfig, "leaves"), flag="--kvm-leaf-store",
     )  # fmt: skip
     file: str | None = setting(None, "the document: a text file, or - for standard input")
     method: str = setting(
@@ -78,8 +78,7 @@ class DocumentOptions(BoundedOptions):
         "cache (streaming, snapkv, kvm-fold, quest, infllm; one budget) or "
         "two-level (kvm-fold set as docs/kvfold.md's two-level setting: budget 2048 = "
         "4 sinks + 1024 slots + 1020 recent, --kvm-open 1024, --kvm-rerank 4096, "
-        "--kvm-slot-cap 1, --routing token; an option changed from its own setting changes "
-        "that part; for --routing block or no slot cap, pass --method kvm-fold with the rest)",
+        "--kvm-slot-cap 1, --routing token; an option given changes that part)",
         choices=METHODS,
     )
     chunk_size: int = setting(FOLD_CHUNK, "fold: chunk (tokens)")
@@ -90,19 +89,13 @@ class DocumentOptions(BoundedOptions):
 
     def __post_init__(self) -> None:
         require_at_least(1, self, "chunk_size")
-        if self.method == "two-level":  # kvm-fold; the options left at their default: TWO_LEVEL
-            defaults = {f.name: f.default for f in fields(DocumentOptions)}
-            for name, value in two_level_options().items():
-                if getattr(self, name) == defaults[name]:
-                    object.__setattr__(self, name, value)
-            object.__setattr__(self, "method", "kvm-fold")
-        if self.method == AUTO:  # resolved by `chosen` once the document's length is known
+        if self.method in (AUTO, "two-level"):  # resolved by `chosen`
             return
         runs = self.labels((self.method,))
         require(
             len(runs) == 1, self, "budgets",
             f"a document is read with one method run; these options make {runs}: give one "
-            "budget, one --kvm-states, one --kvm-open and one --kvm-leaves",
+            "budget, one --kvm-state, one --kvm-open and one --kvm-leaf-store",
         )  # fmt: skip
 
     def document(self) -> str:
@@ -135,14 +128,34 @@ class DocumentOptions(BoundedOptions):
             self.chat, allow_extrapolation,
         )  # fmt: skip
 
-    def chosen(self, config: Any, needed: int) -> DocumentOptions:
-        """These options with auto resolved for `needed` positions of the model of `config`
-        (`auto_method`), the choice said in one line on stderr."""
-        if self.method != AUTO:
-            return self
-        method, why = auto_method(config, needed)
-        print(f"read by {why}", file=sys.stderr)
-        return replace(self, method=method, **(LONG_OPTIONS if method == LONG_METHOD else {}))
+    def chosen(self, config: Any, needed: int, given: frozenset[str]) -> DocumentOptions:
+        """These options with the method resolved: two-level as kvm-fold with `TWO_LEVEL`'s
+        setting where no option was given; auto for `needed` positions of the model of `config`
+        (`auto_method`), the choice said in one line on stderr. An option `given` that a method
+        named does not read is refused (`refuse_ignored`); under auto, it waits for an input
+        long enough that a method that reads it is chosen."""
+        o = self
+        if o.method == "two-level":
+            kept = {k: v for k, v in two_level_options().items() if k not in given}
+            o = replace(o, method="kvm-fold", **kept)
+        elif o.method == AUTO:
+            method, why = auto_method(config, needed)
+            print(f"read by {why}", file=sys.stderr)
+            o = replace(o, method=method, **(LONG_OPTIONS if method == LONG_METHOD else {}))
+            return o  # the options of the method auto did not choose wait for longer inputs
+        o.refuse_ignored(given)
+        return o
+
+    def refuse_ignored(self, given: frozenset[str]) -> None:
+        """Refuse an option given that this run's method does not read (`METHOD_OPTIONS`)."""
+        for patterns, methods in METHOD_OPTIONS:
+            for name in sorted(given):
+                if any(fnmatch(name, p) for p in patterns) and self.method not in methods:
+                    require(
+                        False, self, name,
+                        f"is read by {', '.join(methods)} only, and {self.method} ignores it: "
+                        f"drop it, or pass --method {methods[0]}",
+                    )  # fmt: skip
 
     def room(self, tokenizer: Any) -> int:
         """Positions past the document's that the read must have: none for `read` (its
@@ -165,6 +178,21 @@ class DocumentOptions(BoundedOptions):
         elif keeps_positions(next(iter(self.bounded_configs((self.method,)).values()))):
             with refused_as(self, "method"):  # so do the retrieval caches at exact positions
                 check_exact_positions(config, needed, what)
+
+
+# the options only some methods read: (fnmatch patterns of their fields, those methods)
+METHOD_OPTIONS: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
+    (("chunk_size",), ("fold",)),
+    (("budgets", "sinks", "window", "stream_chunk"), BOUNDED),
+    (("kvm_*",), ("kvm-fold",)),
+    (("routing", "leaf_budget"), ("kvm-fold", "quest")),
+    (("positions",), ("kvm-fold", "quest", "infllm")),
+    (("quest_*",), ("quest",)),
+    (("infllm_*",), ("infllm",)),
+)
+# the options `ask --load` reads: the rest are the save's
+WITH_LOAD = ("device", "load", "question", "max_new_tokens", "stop_at_repeat", "sample",
+             "temperature", "top_k", "top_p", "seed", "json")  # fmt: skip
 
 
 def two_level_options() -> dict[str, Any]:
@@ -244,23 +272,47 @@ class ReadOptions(DocumentOptions):
         require(self.file is not None, self, "file", "give the document to read")
 
 
+# the options of ask and read by what they set: the document first, each method's own last
+GROUPS: Groups = (
+    ("the document and the questions", ("file", "question", "load", "save")),
+    ("the answers", ("max_new_tokens", "stop_at_repeat", "json", "sample", "temperature",
+                     "top_k", "top_p", "seed")),
+    ("how the document is read (see below)", ("method", "chat", "dtype", "chunk_size",
+                                              "budgets", "sinks", "window", "stream_chunk",
+                                              "positions")),
+    ("the model", ("model", "device", "device_map", "allow_extrapolation")),
+    ("kvm-fold and two-level options (expert)", ("kvm_*", "routing", "leaf_budget")),
+    ("quest options (expert)", ("quest_*",)),
+    ("infllm options (expert)", ("infllm_*",)),
+)  # fmt: skip
+WHICH_METHOD = """
+which method: leave --method at auto. It reads with the exact fold (the model's own answers,
+chunk by chunk) while the document, question and answer fit the positions the model was
+trained on (SmolLM2: 8192, Gemma 3 270M: 32768), and past them with infllm, its positions inside
+its budget, one line saying so; --method fold past them is refused. --method two-level reads in
+bounded memory at any length (docs/documents.md, docs/kvfold.md)."""
+
+
 def configure(name: str, parser: argparse.ArgumentParser) -> None:
-    """The options of `ask` and `read`."""
+    """The options of `ask` and `read`, in GROUPS."""
+    parser.epilog = f"{parser.epilog or ''}\n{WHICH_METHOD}"
+    given = "--save DIR" if name == "read" else "(--file FILE | --load DIR) --question QUESTION"
+    parser.usage = f"%(prog)s {'--file FILE ' if name == 'read' else ''}{given} [options]"
     if name == "read":
-        command(parser, run_read, LoadOptions, ReadOptions)
+        command(parser, run_read, LoadOptions, ReadOptions, groups=GROUPS)
     else:
-        command(parser, run, LoadOptions, AskOptions)
+        command(parser, run, LoadOptions, AskOptions, groups=GROUPS)
 
 
-def read_document(m: LoadOptions, o: DocumentOptions) -> Document:
-    """Read the document by the options' method (auto: chosen by its length, `auto_method`),
-    after checking, before the model's weights load, that the model has positions for it and
-    for the longest question with its answer."""
+def read_document(m: LoadOptions, o: DocumentOptions, given: frozenset[str]) -> Document:
+    """Read the document by the options' method (auto: chosen by its length, `auto_method`;
+    `given`: the options the command line gave), after checking, before the model's weights
+    load, that the model has positions for it and for the longest question with its answer."""
     text = o.document()
     path, config, tokenizer = m.entrance()
     ids = document_ids(tokenizer, text, o.chat)
     room = o.room(tokenizer)
-    o = o.chosen(config, len(ids) + (room or ASK_ROOM))
+    o = o.chosen(config, len(ids) + (room or ASK_ROOM), given)
     o.check_positions(config, len(ids) + room, m.allow_extrapolation)
     model = m.load_weights(path, o.dtype)
     s = o.read_settings(model, m.allow_extrapolation)
@@ -278,10 +330,16 @@ def show(text: str) -> None:
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     m, o = args.settings[LoadOptions], args.settings[AskOptions]
     if o.load is not None:
+        for name in sorted(given(args) - set(WITH_LOAD)):
+            require(
+                False, m if hasattr(m, name) else o, name,
+                "is the saved read's (--load): its model, method and settings are kept with "
+                "it; drop it, or read the document again with --file",
+            )  # fmt: skip
         doc = load(o.load, device=m.device)
         print(f"{doc.tokens} tokens read by {doc.settings.label}, loaded", file=sys.stderr)
     else:
-        doc = read_document(m, o)
+        doc = read_document(m, o, given(args))
     for i, question in enumerate(o.question):
         if len(o.question) > 1 and not o.json:
             print(f"question {i + 1} of {len(o.question)}: {question}", file=sys.stderr)
@@ -295,7 +353,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
 
 def run_read(args: argparse.Namespace, argv: list[str]) -> int:
     m, o = args.settings[LoadOptions], args.settings[ReadOptions]
-    doc = read_document(m, o)
+    doc = read_document(m, o, given(args))
     assert o.save is not None
     start = time.perf_counter()
     where = doc.save(o.save)

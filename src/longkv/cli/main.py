@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from longkv.checks import SettingError
 from longkv.cli.args import DECLARED, HelpFormatter, build_settings, declared
+from longkv.cli.helptext import kept_help
 from longkv.version import __version__
 
 # command -> (module that builds its parser with `configure(name, parser)`, one-line help)
@@ -68,6 +69,44 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+# command -> a command line that runs it, shown under its --help
+EXAMPLES: dict[str, str] = {
+    "ask": (
+        'longkv ask --file book.txt --question "Who is Mr. Darcy?" '
+        '--question "Where is Netherfield?"'
+    ),
+    "read": (
+        "longkv read --file book.txt --method two-level --save book.read; "
+        'longkv ask --load book.read --question "Who is Mr. Darcy?"'
+    ),
+    "niah": (
+        "longkv niah --tasks niah_single_1 --lengths 4096 8192 --depths 0.25 0.5 0.75 "
+        "--methods full fold"
+    ),
+    "fold": "longkv fold --tokens 8192 --chunk-size 1024",
+    "drift": (
+        "longkv drift --chunk-sizes 16 64 256 --dtypes fp32 bf16 "
+        "--variants exact restart bf16-cache"
+    ),
+    "bounded": (
+        "longkv bounded --methods full streaming snapkv kvm-fold quest infllm --budgets 512 1024"
+    ),
+    "bench": (
+        "longkv bench routing --model gemma3 --lengths 8192 32768 --methods kvm-fold quest infllm"
+    ),
+    "train": "longkv train --config configs/tiny_kvm.yaml data.folder=CORPUS train.steps=100",
+    "eval-loss": "longkv eval-loss --config configs/tiny_kvm.yaml",
+    "eval": "longkv eval --model runs/tiny_kvm/model --tasks piqa hellaswag --batch-size 8",
+    "generate": 'longkv generate --model runs/tiny_kvm/model --prompt "Once upon a time"',
+    "compare-runs": (
+        "longkv compare-runs --configs configs/tiny_full.yaml configs/tiny_kvm.yaml "
+        "--name train_tiny"
+    ),
+    "tokenizer": "longkv tokenizer train --corpus-dir CORPUS --out runs/bpe_8k --vocab-size 8192",
+    "study": "longkv study --config configs/study/example_mqar.yaml",
+}
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The `longkv` parser; only `command`'s options are built (its module imported)."""
     parser = argparse.ArgumentParser(
@@ -79,8 +118,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         sub = commands.add_parser(
-            name, help=help_text, description=help_text, formatter_class=HelpFormatter
-        )
+            name, help=help_text, description=help_text, formatter_class=HelpFormatter,
+            epilog=f"example:\n  {EXAMPLES[name]}",
+        )  # fmt: skip
         declared(sub)
         if name == command:
             importlib.import_module(module).configure(name, sub)
@@ -92,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     Ctrl-C at any moment, the command's imports included (train and study say where their run
     stands themselves)."""
     argv = sys.argv[1:] if argv is None else argv
+    if (kept := kept_help(argv)) is not None:  # without building the command's options
+        print(kept, end="")
+        return 0
     command = argv[0] if argv and argv[0] in COMMANDS else None
     args = None
     try:
