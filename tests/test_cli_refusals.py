@@ -116,7 +116,7 @@ def test_each_command_reports_each_refusal_under_its_own_option(
     budget = 1024 if refusal == "budget" else 64
     argv, option = argv_of(command, models[refusal], tmp_path, budget)
     if refusal == "budget":
-        option = "--budgets"
+        option = "--budget" if command == "ask" else "--budgets"  # ask takes one, singular
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert f"error: argument {option}: " in err, err
