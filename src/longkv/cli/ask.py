@@ -141,7 +141,8 @@ class DocumentOptions(BoundedOptions):
         elif o.method == AUTO:
             method, why = auto_method(config, needed)
             print(f"read by {why}", file=sys.stderr)
-            o = replace(o, method=method, **(LONG_OPTIONS if method == LONG_METHOD else {}))
+            chosen = LONG_OPTIONS if method == LONG_METHOD else {}
+            o = replace(o, method=method, **{k: v for k, v in chosen.items() if k not in given})
             return o  # the options of the method auto did not choose wait for longer inputs
         o.refuse_ignored(given)
         return o
