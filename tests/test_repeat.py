@@ -38,6 +38,14 @@ def stream(watch: AnswerWatch, tokens: list[int]) -> tuple[list[str], int]:
             False,
             "I am not sure of the number of people.",
         ),
+        (
+            "Miss Taylor is a most excellent and excellent friend to Emma. She is a\nkind friend, "
+            "and has been a most excellent and excellent\nfriend to Emma. She is a most "
+            "excellent and excellent friend to Emma.",
+            False,  # no half sentence left: the one the repeat starts in goes too
+            "Miss Taylor is a most excellent and excellent friend to Emma. She is a\nkind friend, "
+            "and has been a most excellent and excellent\nfriend to Emma.",
+        ),
         ("Kitty.\nThe answer is:\nThe answer is:\nLongbourn", False, "Kitty.\nThe answer is:"),
         ("The answer is, two.\nThe answer is, two.\nThe", False, "The answer is, two."),
         ("Mr. Bingley.\nQuestion: Who is he?\nAnswer:", True, "Mr. Bingley."),

@@ -4,18 +4,21 @@ there, and the text shown as the answer comes never includes what is cut.
 A small model that has said what it knows often says it again ("I am not sure. I am not
 sure. ..."), within a line or line by line, until the token limit. `AnswerWatch` watches the tokens
 as they come (B = 1) and stops decoding at the first of:
-- its last `NGRAM` tokens occur earlier in the answer: the answer ends where they start;
+- its last `NGRAM` tokens occur earlier in the answer: the answer ends where they start, or
+  where the sentence they start in starts, if that sentence is not the one they repeat (so no
+  half sentence is left: "...friend to Emma. She" cut at "She is a most excellent friend");
 - a finished line repeats an earlier non-empty line: the answer ends before it;
 - with `one_line` (a prompt without a chat template, "...\\nAnswer:", whose base model would go
   on to the next "Question:"), a newline after some text: the answer is its first line.
-What may still turn out to be the start of a repeat is held back from `shown`: the longest run
-of last tokens that occurs earlier in the answer (fewer than NGRAM; at least the last token),
-and a line so far that an earlier line begins with. So a printer that shows `text[:shown]` as
-it grows never shows a repeat, and at the end shows the rest of `text`.
+What may still turn out to be cut is held back from `shown`: the sentence being written (so an
+answer streams sentence by sentence), the longest run of last tokens that occurs earlier in the
+answer, and a line so far that an earlier line begins with. So a printer that shows
+`text[:shown]` as it grows never shows what is cut, and at the end shows the rest of `text`.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -23,6 +26,14 @@ import torch
 # an answer stops where its last NGRAM tokens occur earlier in it: a repeated clause of a
 # sentence, not a repeated name or phrase of a few tokens
 NGRAM = 8
+# where a sentence ends: its mark, closing quotes or brackets, then white space; or a newline
+SENTENCE_END = re.compile(r"[.!?][\"')\]]*\s+|\n")
+
+
+def sentence_start(text: str, at: int) -> int:
+    """Where the sentence that position `at` of text is in starts (0: the text's start)."""
+    ends = [m.end() for m in SENTENCE_END.finditer(text, 0, at)]
+    return ends[-1] if ends else 0
 
 
 class AnswerWatch:
@@ -56,12 +67,14 @@ class AnswerWatch:
     def start_of(self, text: str, k: int, j: int) -> int:
         """Where in text the last k tokens' repeat of tokens j.. starts, moved back over the
         characters before it that also stand before its earlier place (" I am ..." repeating
-        "I am ...": the repeat starts at "I", though the token " I" is not the token "I")."""
+        "I am ...": the repeat starts at "I", though the token " I" is not the token "I"), and
+        back to the start of its sentence where that sentence starts after the earlier place."""
         at = len(self.decode(self.tokens[: len(self.tokens) - k]))
         earlier = len(self.decode(self.tokens[:j]))
         while earlier > 0 and at > earlier and text[at - 1] == text[earlier - 1]:
             at, earlier = at - 1, earlier - 1
-        return at
+        begun = sentence_start(text, at)
+        return begun if begun > earlier else at
 
     def __call__(self, ids: torch.Tensor) -> bool:
         self.tokens.append(int(ids[0]))
@@ -79,9 +92,9 @@ class AnswerWatch:
                     return self.stop(start, text)
                 if finished and finished in {line.strip() for line in lines[:-2]}:
                     return self.stop(start - len(lines[-2]) - 1, text)
-            # the last token is held back even when it repeats nothing yet: a repeat found at
-            # the next may start inside it (" I" before " am not", repeating "I am not")
-            safe = self.start_of(text, k, j) if k else len(self.decode(self.tokens[:-1]))
+            safe = sentence_start(text, len(text))  # a repeat may yet start in it
+            if k:
+                safe = min(safe, self.start_of(text, k, j))
             current = lines[-1].strip()
             if current and any(line.strip().startswith(current) for line in lines[:-1]):
                 safe = min(safe, start)
