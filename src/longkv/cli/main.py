@@ -22,8 +22,9 @@ from longkv.version import __version__
 COMMANDS: dict[str, tuple[str, str]] = {
     "ask": (
         "longkv.cli.ask",
-        "ask questions about a long document (a file, stdin or a saved read), read once by "
-        "full attention, the fold or a bounded cache; each answer printed as it comes",
+        "ask questions about a long document of any length (a file, stdin or a saved read), "
+        "read once: by the exact fold while it fits the model's trained positions, else by a "
+        "bounded cache (--method auto); each answer printed as it comes",
     ),
     "read": (
         "longkv.cli.ask",
