@@ -58,7 +58,7 @@ METHODS = (*CACHE_METHODS, "two-level", AUTO)
 # passes the budget): of the bounded methods measured past SmolLM2's 8K positions
 # (results/long_smollm2.md, 16K-64K), it and two-level sqrt@2048 found the most needles (150
 # points of 600 each), it with the lower NLL (3.85 / 3.89 / 3.83 against 3.90 / 4.01 / 4.02)
-# in 0.8 of the time; StreamingLLM@1024 found none (docs/document.md)
+# in 0.8 of the time; StreamingLLM@1024 found none (docs/documents.md)
 LONG_METHOD, LONG_OPTIONS = "infllm", {"positions": "inside"}
 # positions an auto read keeps for the questions and answers where it does not know them
 ASK_ROOM = 256
