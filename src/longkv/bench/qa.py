@@ -144,7 +144,8 @@ def write_page(report: dict[str, Any], s: QABenchSettings) -> list[Path]:
         f"{s.max_new_tokens} tokens",
         "- after: the question after the document (a kept read answers every question from one "
         "read); both: the question before the document too (a read per question)",
-        "- correct: the whole answer; at repeat: the answer cut at its first repeated line "
+        "- correct: the whole answer; at repeat: the answer cut where it starts to repeat "
+        "itself (`document.repeat`: 8 tokens or a line said again) "
         "(where `ask` stops by default); tokens: mean answer tokens decoded, whole and up to "
         "the stop",
         "",
@@ -162,7 +163,7 @@ def write_page(report: dict[str, Any], s: QABenchSettings) -> list[Path]:
             "<<>>>>>",
         ),
         "",
-        "## Answers (cut at a repeated line)",
+        "## Answers (cut where they repeat)",
         "",
     ]
     for r in report["runs"]:
