@@ -26,8 +26,8 @@ test: lint
 	$(BIN)/pytest -q
 
 FAST := tests/test_kvm_reference.py tests/test_routed.py tests/test_fold.py tests/test_checks.py \
-	tests/test_architecture.py tests/test_cli_refusals.py tests/test_readme.py
+	tests/test_architecture.py tests/test_cli_refusals.py tests/test_readme.py tests/test_repeat.py
 
 test-fast: lint
-	@echo "the core against its references, the fold, refusals and the README: about 1 minute"
+	@echo "the core against its references, the fold, refusals, the answer stop and the README: about 1 minute"
 	$(BIN)/pytest -q $(FAST)
