@@ -48,7 +48,7 @@ def stream(watch: AnswerWatch, tokens: list[int]) -> tuple[list[str], int]:
         ),
         ("Kitty.\nThe answer is:\nThe answer is:\nLongbourn", False, "Kitty.\nThe answer is:"),
         ("The answer is, two.\nThe answer is, two.\nThe", False, "The answer is, two."),
-        ("Mr. Bingley.\nQuestion: Who is he?\nAnswer:", True, "Mr. Bingley."),
+        (" Mr. Bingley.\nQuestion: Who is he?\nAnswer:", True, "Mr. Bingley."),
         ("Mr. Bingley.\nQuestion: Who is he?\nAnswer:", False, None),  # no repeat: all of it
         ("Mr. Bingley and Mr. Bingley's sister, Miss Bingley, came.", False, None),
     ],
@@ -60,7 +60,7 @@ def test_an_answer_stops_where_it_repeats_and_never_shows_the_repeat(
     watch = AnswerWatch(tokenizer, one_line=one_line)
     shown, used = stream(watch, tokens)
     final = watch.final()
-    assert final == (said if answer is None else answer)
+    assert final == (said.lstrip() if answer is None else answer)
     assert watch.stopped == (answer is not None) and (used < len(tokens)) == watch.stopped
     assert all(final.startswith(s) for s in shown), shown  # nothing shown is taken back
     assert AnswerWatch(tokenizer, one_line=one_line).cut(tokens) == (final, used)
@@ -101,6 +101,6 @@ def test_random_streams_stop_where_the_rule_written_out_says(tokenizer: Any, see
     watch = AnswerWatch(tokenizer)
     shown, used = stream(watch, tokens)
     assert used == (len(tokens) if stop is None else stop)
-    want = tokenizer.decode(tokens if stop is None else tokens[: stop - NGRAM]).rstrip()
-    assert watch.final() == (want if stop is not None else tokenizer.decode(tokens))
+    want = tokenizer.decode(tokens if stop is None else tokens[: stop - NGRAM]).strip()
+    assert watch.final() == (want if stop is not None else tokenizer.decode(tokens).lstrip())
     assert all(watch.final().startswith(s) for s in shown)

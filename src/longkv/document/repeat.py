@@ -51,7 +51,9 @@ class AnswerWatch:
         self.stopped = False
 
     def decode(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+        """The text of the answer's first tokens, without the white space it starts with (a
+        base model's " Mr. Weston." after "Answer:")."""
+        return self.tokenizer.decode(tokens, skip_special_tokens=True).lstrip()
 
     def echo(self) -> tuple[int, int]:
         """(k, j): the longest run of last tokens, k of them (up to ngram), that occurs earlier
