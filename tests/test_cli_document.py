@@ -261,3 +261,19 @@ def test_an_option_a_saved_read_keeps_is_refused_with_load(
         assert main([*ask, *extra]) == 2
         assert f"argument {flag}: is the saved read's (--load)" in capsys.readouterr().err
     assert main([*ask, "--device", "cpu", "--json"]) == 0
+
+
+def test_a_refusal_fed_through_an_option_is_reported_under_its_shown_name() -> None:
+    """A config's refusal of a field an option feeds names the option as --help shows it
+    (`--budget`), not its plural alias."""
+    from longkv.caches.bounded import BoundedConfig
+    from longkv.caches.kvm_fold import KVMFoldConfig
+    from longkv.checks import SettingError
+    from longkv.cli.args import declared
+    from longkv.cli.main import build_parser
+
+    parser = build_parser("ask")._subparsers._group_actions[0].choices["ask"]  # type: ignore[union-attr]
+    spec = declared(parser)
+    assert spec.flag_of(SettingError(BoundedConfig, "budget", "x")) == "--budget"
+    assert spec.flag_of(SettingError(KVMFoldConfig, "state", "x")) == "--kvm-state"
+    assert spec.flag_of(SettingError(KVMFoldConfig, "leaves", "x")) == "--kvm-leaf-store"

@@ -168,7 +168,7 @@ def add_settings(parser: argparse.ArgumentParser, cls: type, groups: Groups = ()
             target.add_argument(*names, type=kind, choices=choices, **options)
         spec.flags[cls, f.name] = names[0]
         if f.metadata.get("feeds") is not None:
-            spec.feeds.append((*f.metadata["feeds"], flag))
+            spec.feeds.append((*f.metadata["feeds"], names[0]))
     spec.classes.append(cls)
 
 
