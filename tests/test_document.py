@@ -251,6 +251,7 @@ def test_an_answer_comes_in_pieces_that_join_into_its_text_cut_where_it_repeats(
         answer = doc.ask(QUESTIONS[0], 40, on_text=pieces.append, stop_at_repeat=stop)
         assert "".join(pieces) == answer.text
         cut, used = AnswerWatch(tokenizer, one_line=True, stops=stop).cut(answer.tokens)
+        assert AnswerWatch.of_prompt(tokenizer, chat=True).one_line  # GPT-2: no template
         assert (answer.text, len(answer.tokens)) == (cut, used)
 
 

@@ -25,7 +25,7 @@ from longkv.bench.document import document_text
 from longkv.caches.bounded import STREAM_CHUNK
 from longkv.caches.kvm_fold import KVMFoldConfig
 from longkv.checks import require_at_least, require_known, setting
-from longkv.document.prompt import document_ids, uses_template
+from longkv.document.prompt import document_ids
 from longkv.document.read import read_ids, read_settings
 from longkv.document.repeat import AnswerWatch
 from longkv.dtypes import DTYPES
@@ -99,8 +99,7 @@ def answer_all(
             ids = document_ids(tokenizer, text, question=first)
             kept = read_ids(model, tokenizer, ids, settings, progress=False)
         answer = kept.ask(question, s.max_new_tokens, stop_at_repeat=False)
-        one_line = not uses_template(tokenizer, True)
-        cut, used = AnswerWatch(tokenizer, one_line).cut(answer.tokens)
+        cut, used = AnswerWatch.of_prompt(tokenizer, chat=True).cut(answer.tokens)
         out.append({
             "question": question, "answer": answer.text, "correct": correct(answer.text, accepted),
             "answer_at_repeat": cut, "correct_at_repeat": correct(cut, accepted),

@@ -44,7 +44,7 @@ from longkv.caches.methods import (
 from longkv.caches.retrieval import RetrievalRunner, check_exact_positions
 from longkv.checks import require
 from longkv.decoding import Pick, greedy
-from longkv.document.prompt import document_ids, question_ids, uses_template
+from longkv.document.prompt import document_ids, question_ids
 from longkv.document.repeat import AnswerWatch
 from longkv.fold.fold import FOLD_CHUNK, FoldRunner, kv_fold
 from longkv.fold.generate import fold_generate
@@ -211,7 +211,7 @@ class Document:
         eos = getattr(tok, "eos_token_id", None)
         start = time.perf_counter()
         first: list[float] = []
-        watch = AnswerWatch(tok, one_line=not uses_template(tok, s.chat), stops=stop_at_repeat)
+        watch = AnswerWatch.of_prompt(tok, s.chat, stops=stop_at_repeat)
         shown = [0]  # the characters of the text given to on_text
 
         def show(text: str) -> None:

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from longkv.document.prompt import uses_template
+
 # an answer stops where its last NGRAM tokens occur earlier in it: a repeated clause of a
 # sentence, not a repeated name or phrase of a few tokens
 NGRAM = 8
@@ -49,6 +51,12 @@ class AnswerWatch:
         self.text = ""
         self.shown = 0
         self.stopped = False
+
+    @classmethod
+    def of_prompt(cls, tokenizer: Any, chat: bool, stops: bool = True) -> AnswerWatch:
+        """The watch of an answer to a prompt built with or without the chat template
+        (`prompt.uses_template`): one line where there is none."""
+        return cls(tokenizer, one_line=not uses_template(tokenizer, chat), stops=stops)
 
     def decode(self, tokens: list[int]) -> str:
         """The text of the answer's first tokens, without the white space it starts with (a
