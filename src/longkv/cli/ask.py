@@ -49,6 +49,8 @@ class DocumentOptions(BoundedOptions):
     options that make several take one value each, and there is no --only."""
 
     omitted: ClassVar[tuple[str, ...]] = ("only",)
+    # what else makes the read fit the model's positions, besides a bounded method
+    fewer: ClassVar[str] = ""
     budgets: tuple[int, ...] = setting(
         (1024,),
         "entries per layer and KV head of the bounded method (the leaves of two-level "
@@ -167,9 +169,7 @@ class DocumentOptions(BoundedOptions):
         """Refuse --method unless the model of `config` has positions for `needed` tokens read
         by it, before its weights load; the refusal names the options that fix it."""
         what = f"the document, question and answer under {self.method}"
-        fix = "read it with a bounded method (--method auto, the default, picks one)"
-        if isinstance(self, AskOptions):
-            fix += " or ask for fewer --max-new-tokens"
+        fix = f"read it with a bounded method (--method auto, the default, picks one){self.fewer}"
         if self.method in ("full", "fold"):  # each token at its own position
             switch = f"{fix}; {CLI_SWITCH}"
             with refused_as(self, "method"):
@@ -209,6 +209,8 @@ def two_level_options() -> dict[str, Any]:
 @dataclass(frozen=True)
 class AskOptions(DocumentOptions):
     """`longkv ask`: the document (or a saved read), the questions and how they are answered."""
+
+    fewer: ClassVar[str] = " or ask for fewer --max-new-tokens"
 
     question: tuple[str, ...] = setting(
         (), "a question about the document; give it once per question (the document is read "

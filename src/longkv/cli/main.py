@@ -139,8 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     Ctrl-C at any moment, the command's imports included (train and study say where their run
     stands themselves)."""
     argv = sys.argv[1:] if argv is None else argv
-    if (kept := kept_help(argv)) is not None:  # without building the command's options
-        print(kept, end="")
+    if (stored := kept_help(argv)) is not None:  # without building the command's options
+        print(stored, end="")
         return 0
     command = argv[0] if argv and argv[0] in COMMANDS else None
     args = None
