@@ -5,8 +5,10 @@ two-level KVM-Fold, ...): the document is read once (`longkv.read`) and asked th
 (which also warms up the decoding path), then the second; its time to the first answer token is
 set against that of a fresh read of document and second question (`read_and_answer`, the path
 `longkv ask` took for every question before reads were kept), whose answer it is compared with,
-token for token (greedy). Then the read is saved and loaded (size, seconds) and the loaded read
-asked the second question again: its answer must equal the kept read's. Two-level runs once per
+token for token (greedy). Then the read is saved and loaded (size, seconds) twice, every tensor
+as held and by default (`kv_dtype` auto: a float32 read's keys and values in float16), and each
+loaded read asked the second question again: its answer must equal the kept read's. Two-level
+runs once per
 leaf store (`leaves`); the fresh read is made for the first only (the others differ from it in
 the leaves alone). Runs go one after another, nothing else running: time it alone.
 """
@@ -30,8 +32,8 @@ from longkv.caches.methods import BoundedOptions, make_runner, read_and_answer
 from longkv.checks import require, require_at_least, require_known, setting
 from longkv.data.corpus import read_text
 from longkv.document.prompt import document_ids, prompt_ids
-from longkv.document.read import METHODS, Document, read_ids, read_settings
-from longkv.document.save import load, save
+from longkv.document.read import AUTO, METHODS, Document, read_ids, read_settings
+from longkv.document.save import dtype_name, load, save
 from longkv.dtypes import DTYPES
 from longkv.fold.fold import FOLD_CHUNK
 from longkv.results import (
@@ -155,15 +157,19 @@ def measure_run(
         out["fresh"] = {"first_token_seconds": fresh["first_token_seconds"]}
         out["speedup"] = fresh["first_token_seconds"] / second.first_token_seconds
         out["equal_to_fresh"] = fresh["tokens"] == second.tokens
-    start = time.perf_counter()
-    where = save(doc, folder / label.replace("/", "-"))
-    out["save_seconds"] = time.perf_counter() - start
-    out["save_bytes"] = sum(p.stat().st_size for p in where.iterdir())
-    start = time.perf_counter()
-    loaded = load(where, model, tokenizer)
-    out["load_seconds"] = time.perf_counter() - start
-    out["loaded_equal"] = loaded.ask(q2, **ask).tokens == second.tokens
-    shutil.rmtree(where)
+    for kind, kv_dtype in (("held", dtype_name(model)), ("narrow", AUTO)):
+        start = time.perf_counter()
+        where = save(doc, folder / label.replace("/", "-"), kv_dtype)
+        saved = {"save_seconds": time.perf_counter() - start}
+        saved["save_bytes"] = sum(p.stat().st_size for p in where.iterdir())
+        start = time.perf_counter()
+        loaded = load(where, model, tokenizer)
+        saved["load_seconds"] = time.perf_counter() - start
+        loaded_answer = loaded.ask(q2, **ask)
+        saved["loaded_equal"] = loaded_answer.tokens == second.tokens
+        saved["loaded_answer"] = loaded_answer.text
+        out[kind] = saved
+        shutil.rmtree(where)
     return out
 
 
@@ -192,8 +198,10 @@ def write_page(report: dict[str, Any], s: DocumentBenchSettings) -> list[Path]:
             "-" if fresh is None else f"{fresh:.1f}",
             "-" if fresh is None else f"{r['speedup']:.0f}x",
             "-" if fresh is None else ("yes" if r["equal_to_fresh"] else "no"),
-            f"{r['save_bytes'] / 2**20:.1f}", f"{r['save_seconds']:.2f}",
-            f"{r['load_seconds']:.2f}", "yes" if r["loaded_equal"] else "no",
+            *(x for kind in ("held", "narrow") for x in (
+                f"{r[kind]['save_bytes'] / 2**20:.1f}", f"{r[kind]['save_seconds']:.2f}",
+                f"{r[kind]['load_seconds']:.2f}", "yes" if r[kind]["loaded_equal"] else "no",
+            )),
         ])  # fmt: skip
     q1, q2 = s.questions
     body = [
@@ -203,7 +211,10 @@ def write_page(report: dict[str, Any], s: DocumentBenchSettings) -> list[Path]:
         "- first token, kept: seconds from the second question to its first answer token, "
         "from the kept read; fresh: from reading document and question again; speedup: "
         "fresh / kept; same answer: the kept read's answer equals the fresh read's, token for "
-        "token; loaded: the answer of the saved and loaded read equals the kept read's",
+        "token; loaded: the answer of the saved and loaded read equals the kept read's; as held: "
+        "the save keeps every tensor in its dtype; narrow: in the default "
+        "(`kv_dtype` auto: keys and values in float16 for a float32 read, sums and counts as "
+        "held)",
         "",
         *markdown_table(
             [
@@ -214,13 +225,14 @@ def write_page(report: dict[str, Any], s: DocumentBenchSettings) -> list[Path]:
                 "fresh s",
                 "speedup",
                 "same answer",
-                "save MiB",
-                "save s",
-                "load s",
-                "loaded",
+                *(
+                    f"{x} ({kind})"
+                    for kind in ("as held", "narrow")
+                    for x in ("save MiB", "save s", "load s", "loaded")
+                ),
             ],
             rows,
-            "<>>>>>>>>>>",
+            "<" + ">" * 14,
         ),
         "",
         *(f'- {r["label"]}: "{" ".join(r["kept"]["answer"].split())}"' for r in report["runs"]),

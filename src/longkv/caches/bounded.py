@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -120,6 +121,9 @@ class BoundedRunner:
     the window (`absorb`) and what they need from attention (`hooks`, `observed`)."""
 
     method = "a bounded cache"
+    # the fields holding keys and values (a subclass adds its own): what a save may keep in a
+    # narrower dtype (`longkv.document.save`), unlike sums, counts and positions
+    KV_FIELDS: ClassVar[tuple[str, ...]] = ("sink_k", "sink_v", "window_k", "window_v")
     # the fewest window tokens that leave it together: 1, as many as the next chunk needs
     leave_at_once = 1
 

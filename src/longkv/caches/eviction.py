@@ -77,6 +77,7 @@ class SnapKVRunner(BoundedRunner):
     """A bounded cache that keeps the best-attended tokens that left the window."""
 
     method = "SnapKV"
+    KV_FIELDS = ("kept_k", "kept_v")
     config: SnapKVConfig
 
     def __init__(self, model: nn.Module, config: SnapKVConfig):

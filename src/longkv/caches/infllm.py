@@ -94,6 +94,7 @@ class InfLLMRunner(RetrievalRunner):
     block's representatives."""
 
     method = "InfLLM"
+    KV_FIELDS = ("reps",)
     config: InfLLMConfig
 
     def __init__(self, model: nn.Module, config: InfLLMConfig):

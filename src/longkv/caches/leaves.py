@@ -143,6 +143,8 @@ def pick(rows: Tensor | Rows, index: Tensor | None) -> Tensor:
 class ExactLeaves(LeafStore):
     """Keys and values in the model's dtype, in memory."""
 
+    KV_FIELDS = ("rows",)  # keys and values (`BoundedRunner.KV_FIELDS`)
+
     def __init__(self, keys: Tensor, values: Tensor):
         super().__init__(keys, values)
         self.rows = Rows.of(keys.new_zeros(*keys.shape[:2], 0, self.width))

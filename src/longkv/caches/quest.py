@@ -104,6 +104,7 @@ class QuestRunner(RetrievalRunner):
     """Quest's pages over the tokens that left the window, per layer their keys' bounds."""
 
     method = "Quest"
+    KV_FIELDS = ("bounds",)
     config: QuestConfig
 
     def __init__(self, model: nn.Module, config: QuestConfig):

@@ -79,6 +79,7 @@ class TwoLevelRunner(RetrievalRunner, KVMFoldRunner):
     rotation only for the KVM state."""
 
     method = "two-level KVM-Fold"
+    KV_FIELDS = ("readouts", "bounds")
     config: KVMFoldConfig
 
     def __init__(self, model: nn.Module, config: KVMFoldConfig, track: bool = False):

@@ -40,6 +40,7 @@ from longkv.document.read import (
     read_ids,
 )
 from longkv.document.save import load
+from longkv.dtypes import DTYPES
 from longkv.fold.fold import CLI_SWITCH, FOLD_CHUNK, check_positions
 
 
@@ -269,6 +270,11 @@ class ReadOptions(DocumentOptions):
         None, "the folder the read is saved to (replaced when it holds an earlier save)",
         required=True,
     )  # fmt: skip
+    kv_dtype: str = setting(
+        AUTO, "the dtype the save keeps keys and values in: auto (float16 for a float32 read, "
+        "which measured the same answers; else as held) or a dtype, used where narrower",
+        choices=(AUTO, *sorted(DTYPES)),
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -277,7 +283,7 @@ class ReadOptions(DocumentOptions):
 
 # the options of ask and read by what they set: the document first, each method's own last
 GROUPS: Groups = (
-    ("the document and the questions", ("file", "question", "load", "save")),
+    ("the document and the questions", ("file", "question", "load", "save", "kv_dtype")),
     ("the answers", ("max_new_tokens", "stop_at_repeat", "json", "sample", "temperature",
                      "top_k", "top_p", "seed")),
     ("how the document is read (see below)", ("method", "chat", "dtype", "chunk_size",
@@ -359,6 +365,6 @@ def run_read(args: argparse.Namespace, argv: list[str]) -> int:
     doc = read_document(m, o, given(args))
     assert o.save is not None
     start = time.perf_counter()
-    where = doc.save(o.save)
+    where = doc.save(o.save, o.kv_dtype)
     print(f"saved to {where} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return 0

@@ -182,11 +182,12 @@ class Document:
     def __post_init__(self) -> None:
         self.model_id = self.model_id or str(getattr(self.model, "name_or_path", ""))
 
-    def save(self, path: str | Path) -> Path:
-        """Keep the read in folder `path`, atomically (`longkv.document.save.save`)."""
+    def save(self, path: str | Path, kv_dtype: str = AUTO) -> Path:
+        """Keep the read in folder `path`, atomically, its keys and values in kv_dtype (AUTO:
+        float16 for a float32 read; `longkv.document.save.save`)."""
         from longkv.document.save import save  # save imports this module
 
-        return save(self, path)
+        return save(self, path, kv_dtype)
 
     def ask(
         self,

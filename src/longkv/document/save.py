@@ -5,7 +5,16 @@ settings, pickled with every tensor and module left out), `tensors.pt` (the tens
 with torch's weights-only loader), one `leaves-<layer>.bin` per layer of a "file" leaf store
 (its rows), and `manifest.json`, written last: the library version and save format, the model
 (id, dtype and a fingerprint of its weights), a fingerprint of the tokenizer, the method and
-its settings, the document's token count, and the bytes and SHA-256 of every other file.
+its settings, the document's token count, the dtype its keys and values are kept in, and the
+bytes and SHA-256 of every other file.
+
+Keys and values (the tensors under the fields a runner's classes name in `KV_FIELDS`: the
+fold's cache, the sinks and windows, the leaves, the read-outs and bounds that are read like
+keys) are kept in `kv_dtype`: by default ("auto") float16 for a float32 read, whose answers
+measured equal to the kept read's (results/document_bench.md), and as held otherwise; a tensor
+whose values pass the narrower dtype's range stays as held. Sums, counts, positions and
+frequencies stay as held, so a slot's mean is never the mean of rounded sums. A load widens
+the keys and values back to the dtype they were held in.
 
 A save goes to a temporary folder beside the target, each file synced, and is renamed into
 place: a crash mid-save leaves the old save or none. `load` refuses, in one line naming the
@@ -32,17 +41,21 @@ import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
 
+from longkv.attention.state import Rows, owned_rows
 from longkv.caches.bounded import BoundedRunner
 from longkv.caches.leaves import FileLeaves
 from longkv.caches.retrieval import RetrievalRunner
-from longkv.document.read import LEAF_ROOM, Document
+from longkv.checks import require
+from longkv.document.read import AUTO, LEAF_ROOM, Document
 from longkv.dtypes import DTYPES
 from longkv.models.pretrained import load_pretrained
 from longkv.version import __version__
 
 # the save format: what the files are and what the manifest says (2: two-level KVM-Fold's slot
-# sums hold their keys' squared norms)
-FORMAT = 2
+# sums hold their keys' squared norms; 3: keys and values in `kv_dtype`)
+FORMAT = 3
+# `kv_dtype` AUTO: the dtype keys and values held in a dtype here are kept in (others: as held)
+NARROWER = {torch.float32: torch.float16}
 MANIFEST, STATE, TENSORS = "manifest.json", "state.pkl", "tensors.pt"
 SAMPLES = 4096  # values of each parameter the weights' fingerprint reads
 # what a save may hold besides longkv's classes: transformers' cache, a few plain types, and
@@ -90,27 +103,73 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def kv_parts(root: object) -> set[int]:
+    """ids of the tensors and `Rows` under root that hold keys and values: those reached
+    through a field that its object's class (or a base) names in its `KV_FIELDS`."""
+    kv: set[int] = set()
+    seen: set[tuple[int, bool]] = set()
+    todo: list[tuple[object, bool]] = [(root, False)]
+    while todo:
+        obj, inside = todo.pop()
+        if (id(obj), inside) in seen or isinstance(obj, nn.Module):
+            continue
+        seen.add((id(obj), inside))
+        if isinstance(obj, (Tensor, Rows)):
+            if inside:
+                kv.add(id(obj))
+        elif isinstance(obj, (list, tuple)):
+            todo.extend((item, inside) for item in obj)
+        elif isinstance(obj, dict):
+            todo.extend((item, inside) for item in obj.values())
+        elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+            fields = {f for c in type(obj).__mro__ for f in vars(c).get("KV_FIELDS", ())}
+            todo.extend((v, inside or k in fields) for k, v in vars(obj).items())
+    return kv
+
+
+def kept_dtype(kv_dtype: str, held: torch.dtype) -> torch.dtype:
+    """The dtype keys held in dtype `held` are kept in under `kv_dtype` (AUTO or a `DTYPES`
+    name): a narrower one, or `held`."""
+    if kv_dtype == AUTO:
+        return NARROWER.get(held, held)
+    want = DTYPES[kv_dtype]
+    return want if want.itemsize < held.itemsize else held
+
+
 class StatePickler(pickle.Pickler):
-    """Pickles a read's objects with the model's modules by name, tensors by number (collected
-    in `tensors`, saved apart) and the `rebuilt` object (a bounded runner's cache of its last
+    """Pickles a read's objects with the model's modules by name, tensors (and `Rows`, as their
+    rows) by number (collected in `tensors`, saved apart; the keys and values, ids in `kv`, in
+    the dtype `kv_dtype` says) and the `rebuilt` object (a bounded runner's cache of its last
     forward, which its next forward builds anew) as an empty cache."""
 
-    def __init__(self, file: io.BufferedWriter, model: nn.Module, rebuilt: object) -> None:
+    def __init__(
+        self, file: io.BufferedWriter, model: nn.Module, rebuilt: object, kv: set[int],
+        kv_dtype: str,
+    ) -> None:  # fmt: skip
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.modules = {id(m): name for name, m in model.named_modules()}
         self.tensors: list[Tensor] = []
-        self.rebuilt = rebuilt
+        self.rebuilt, self.kv, self.kv_dtype = rebuilt, kv, kv_dtype
 
-    def persistent_id(self, obj: object) -> tuple[str, object] | None:
+    def persistent_id(self, obj: object) -> tuple[str, object, str | None] | None:
         if obj is self.rebuilt and obj is not None:
-            return ("rebuilt", None)
+            return ("rebuilt", None, None)
         if isinstance(obj, nn.Module):
             if id(obj) not in self.modules:
                 raise TypeError(f"a read holds a module outside its model: {type(obj).__name__}")
-            return ("module", self.modules[id(obj)])
-        if isinstance(obj, Tensor):
-            self.tensors.append(obj.detach())
-            return ("tensor", len(self.tensors) - 1)
+            return ("module", self.modules[id(obj)], None)
+        if isinstance(obj, (Tensor, Rows)):
+            t = obj.tensor if isinstance(obj, Rows) else obj.detach()
+            held, kept = t.dtype, t.dtype
+            if id(obj) in self.kv and t.is_floating_point():
+                kept = kept_dtype(self.kv_dtype, held)
+                if t.numel() and float(t.abs().amax()) > torch.finfo(kept).max:
+                    kept = held  # past the narrower dtype's range
+            if isinstance(obj, Rows) or kept != held:
+                t = t.to(kept, memory_format=torch.contiguous_format, copy=True)
+            self.tensors.append(t)
+            kind = "rows" if isinstance(obj, Rows) else "tensor"
+            return (kind, len(self.tensors) - 1, None if kept == held else str(held))
         return None
 
 
@@ -132,12 +191,15 @@ class StateUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"holds {module}.{name}, which a read never holds")
 
     def persistent_load(self, pid: Any) -> Any:
-        kind, key = pid
+        kind, key, held = pid
         if kind == "rebuilt":
             return DynamicCache()
         if kind == "module":
             return self.model.get_submodule(key)
-        return self.tensors[key]
+        t = self.tensors[key]
+        if held is not None:  # keys or values kept narrower than they were held
+            t = t.to(getattr(torch, held.removeprefix("torch.")))
+        return owned_rows(t) if kind == "rows" else t
 
 
 def fsync_path(path: Path) -> None:
@@ -149,13 +211,19 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def save(doc: Document, path: str | Path) -> Path:
-    """Keep a read in folder `path` (replaced if it holds an earlier save), atomically."""
+def save(doc: Document, path: str | Path, kv_dtype: str = AUTO) -> Path:
+    """Keep a read in folder `path` (replaced if it holds an earlier save), atomically, its keys
+    and values in `kv_dtype` (AUTO: float16 for a float32 read; or a `DTYPES` name, used where
+    it is narrower than the dtype they are held in)."""
+    require(
+        kv_dtype == AUTO or kv_dtype in DTYPES, None, "kv_dtype",
+        f"must be {AUTO!r} or one of {sorted(DTYPES)}, got {kv_dtype!r}",
+    )  # fmt: skip
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.saving-", dir=target.parent))
     try:
-        write_files(doc, tmp)
+        write_files(doc, tmp, kv_dtype)
         fsync_path(tmp)
         if target.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
@@ -171,12 +239,12 @@ def save(doc: Document, path: str | Path) -> Path:
     return target
 
 
-def write_files(doc: Document, folder: Path) -> None:
+def write_files(doc: Document, folder: Path, kv_dtype: str) -> None:
     """The save's files in folder, the manifest last."""
     state = {"settings": doc.settings, "runner": doc.runner, "pending": doc.pending}
     with open(folder / STATE, "wb") as f:
         rebuilt = doc.runner.cache if isinstance(doc.runner, BoundedRunner) else None
-        pickler = StatePickler(f, doc.model, rebuilt)
+        pickler = StatePickler(f, doc.model, rebuilt, kv_parts(doc.runner), kv_dtype)
         pickler.dump(state)
     torch.save(pickler.tensors, folder / TENSORS)
     for layer, store in enumerate(leaf_stores(doc.runner)):
@@ -187,6 +255,7 @@ def write_files(doc: Document, folder: Path) -> None:
         fsync_path(item)
         files[item.name] = {"bytes": item.stat().st_size, "sha256": file_sha256(item)}
     s = doc.settings
+    kept_name = dtype_name(kept_dtype(kv_dtype, next(doc.model.parameters()).dtype))
     config = None if s.config is None else {"class": type(s.config).__name__, **asdict(s.config)}
     manifest = {
         "format": FORMAT, "longkv": __version__,
@@ -196,15 +265,17 @@ def write_files(doc: Document, folder: Path) -> None:
         },
         "tokenizer": {"fingerprint": tokenizer_fingerprint(doc.tokenizer)},
         "settings": {**asdict(s), "config": config},  # method, label, chunks, chat
-        "tokens": doc.tokens, "pending": len(doc.pending), "files": files,
+        "tokens": doc.tokens, "pending": len(doc.pending),
+        "kv_dtype": {"asked": kv_dtype, "model's keys kept in": kept_name},
+        "files": files,
     }  # fmt: skip
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str) + "\n")
     fsync_path(folder / MANIFEST)
 
 
-def dtype_name(model: nn.Module) -> str:
-    """The name (`DTYPES`) of the model's parameters' dtype."""
-    dtype = next(model.parameters()).dtype
+def dtype_name(of: nn.Module | torch.dtype) -> str:
+    """The name (`DTYPES`) of a dtype, or of a model's parameters' dtype."""
+    dtype = next(of.parameters()).dtype if isinstance(of, nn.Module) else of
     return next((name for name, d in DTYPES.items() if d == dtype), str(dtype))
 
 

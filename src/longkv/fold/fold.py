@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -69,6 +69,8 @@ class FoldRunner:
     'restart' (positions taken mod chunk_size), or one that runs longkv's attention
     (`variant_hooks`); 'bos' is a prefix, inserted by `score_chunks`.
     """
+
+    KV_FIELDS: ClassVar[tuple[str, ...]] = ("cache",)  # keys and values (`BoundedRunner`'s)
 
     def __init__(
         self,
