@@ -314,6 +314,25 @@ def test_read_by_default_takes_the_fold_while_the_document_fits_and_infllm_past_
         read(model, tokenizer, TEXT, config=method_config("streaming"), progress=False)
 
 
+def test_what_a_model_hosts_is_read_once_for_every_read_and_answer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The fold's, the variants' and the bounded caches' checks read one record of the model
+    (`compat.host`), made at its first read, not the model again at each."""
+    from longkv.fold import compat
+
+    read_host, calls = compat.read_host, []
+    monkeypatch.setattr(compat, "read_host", lambda m: calls.append(m) or read_host(m))
+    model, tokenizer = tiny_model()
+    for method in ("fold", "streaming", "two-level"):
+        name = method.replace("two-level", "kvm-fold")
+        doc = read(model, tokenizer, TEXT[:600], name, config=method_config(method),
+                   progress=False, **CHUNKS)  # fmt: skip
+        doc.ask(QUESTIONS[0], 2)
+    assert calls == [model]
+    assert compat.host(model).keeps_kv and compat.host(model).takes_cache
+
+
 def test_an_answer_comes_in_pieces_that_join_into_its_text_cut_where_it_repeats(
     model_and_tokenizer: tuple[Any, Any],
 ) -> None:

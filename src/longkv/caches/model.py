@@ -78,7 +78,7 @@ def check_bounded(model: nn.Module, budget: int, method: str) -> list[Tensor]:
     positions inside it (the `method`) can run on the model; return its RoPE inv_freq per
     layer (`rope_tables`). Sliding-window layers keep their own window; the method bounds the
     other layers."""
-    if not compat.keeps_keys_and_values(model):
+    if not compat.host(model).keeps_kv:
         refuse(
             None, "model",
             f"{method} evicts and re-rotates per-layer cached keys and values, but "

@@ -10,6 +10,8 @@ version pinned in constraints.txt.
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
+from weakref import WeakKeyDictionary
 
 import torch
 import transformers
@@ -24,10 +26,38 @@ TRANSFORMERS_VERSION = Version(transformers.__version__)
 CACHE_ARG = "cache" if TRANSFORMERS_VERSION >= Version("5.24") else "past_key_values"
 
 
-def keeps_keys_and_values(model: nn.Module) -> bool:
-    """Whether the model's cache holds keys and values per layer (False: a longkv model's
-    LongKVCache of KVM states, window caches and token-shift inputs)."""
-    return not isinstance(model, LongKVForCausalLM)
+@dataclass(frozen=True)
+class Host:
+    """What a model can run, read from its class once (`host`) and carried down: the fold's,
+    the variants' and the bounded caches' refusals read it, not the model (its positions are
+    its config's, which a command reads before the weights load: `fold.check_positions`)."""
+
+    name: str  # the model's class
+    causal: bool  # a decoder alone, not an encoder-decoder
+    takes_cache: bool  # its forward takes CACHE_ARG and position_ids
+    keeps_kv: bool  # its cache holds keys and values per layer (not a longkv model's
+    # LongKVCache of KVM states, window caches and token-shift inputs)
+
+
+def read_host(model: nn.Module) -> Host:
+    """The model's `Host`, read from its class and config."""
+    params = inspect.signature(model.forward).parameters
+    return Host(
+        type(model).__name__, not getattr(model.config, "is_encoder_decoder", False),
+        CACHE_ARG in params and "position_ids" in params,
+        not isinstance(model, LongKVForCausalLM),
+    )  # fmt: skip
+
+
+HOSTS: WeakKeyDictionary[nn.Module, Host] = WeakKeyDictionary()
+
+
+def host(model: nn.Module) -> Host:
+    """The model's `Host`, read once per model (`read_host`)."""
+    found = HOSTS.get(model)
+    if found is None:
+        found = HOSTS[model] = read_host(model)
+    return found
 
 
 def new_cache(model: nn.Module, offload: bool = False) -> Cache:
@@ -36,7 +66,7 @@ def new_cache(model: nn.Module, offload: bool = False) -> Cache:
     offload: keep each layer's keys and values in CPU memory between uses (accelerator only;
     not for a longkv model, whose states are rebuilt at every call).
     """
-    if keeps_keys_and_values(model):
+    if host(model).keeps_kv:
         return DynamicCache(config=model.config, offloading=offload)
     if offload:
         raise ValueError(
@@ -44,12 +74,6 @@ def new_cache(model: nn.Module, offload: bool = False) -> Cache:
             "offloading does not move; run without offloading"
         )
     return LongKVCache(model.config.n_layers)
-
-
-def accepts_cache(model: nn.Module) -> bool:
-    """Whether the model's forward takes a cache and explicit position ids."""
-    params = inspect.signature(model.forward).parameters
-    return CACHE_ARG in params and "position_ids" in params
 
 
 # what a forward returns: every position's logits (B, L, V), the last position's (B, 1, V), or

@@ -106,19 +106,19 @@ class FoldRunner:
 
 def check_foldable(model: nn.Module, T: int, *, allow_extrapolation: bool = False) -> None:
     """Raise ValueError if the model cannot be folded correctly over T positions."""
-    config = model.config
-    if getattr(config, "is_encoder_decoder", False):
+    found = compat.host(model)
+    if not found.causal:
         raise ValueError(
-            f"model: {type(model).__name__} is an encoder-decoder; KV-Fold needs a causal LM "
+            f"model: {found.name} is an encoder-decoder; KV-Fold needs a causal LM "
             "(AutoModelForCausalLM)"
         )
-    if not compat.accepts_cache(model):
+    if not found.takes_cache:
         raise ValueError(
-            f"model: {type(model).__name__}.forward takes no `{compat.CACHE_ARG}` and "
+            f"model: {found.name}.forward takes no `{compat.CACHE_ARG}` and "
             "`position_ids`; KV-Fold needs a model that uses the transformers cache API"
         )
     check_positions(
-        config, T, "the input, inserted prefixes and tokens to generate",
+        model.config, T, "the input, inserted prefixes and tokens to generate",
         allow_extrapolation=allow_extrapolation,
     )  # fmt: skip
 
@@ -307,13 +307,14 @@ def kv_fold(
             f"prefix_ids: a per-chunk prefix is itself a variant of the fold; pass it with "
             f"variant='exact', not {variant!r}"
         )
+    P = 1 if variant == "bos" else 0 if prefix_ids is None else prefix_ids.numel()
+    T = input_ids.shape[1]
+    start = 0 if cache is None else cache.get_seq_length()
+    check_foldable(model, start + T + P * -(-T // chunk_size) + reserve,
+                   allow_extrapolation=allow_extrapolation)  # fmt: skip
     runner = FoldRunner(model, cache, offload=offload_cache, variant=variant, chunk_size=chunk_size)
     if variant == "bos":
         prefix_ids = torch.tensor([model.config.bos_token_id])
-    P = 0 if prefix_ids is None else prefix_ids.numel()
-    T = input_ids.shape[1]
-    end = runner.position + T + P * -(-T // chunk_size) + reserve
-    check_foldable(model, end, allow_extrapolation=allow_extrapolation)
     return score_chunks(
         runner, input_ids, chunk_size, prefix_ids,
         return_logits=return_logits, score=score, progress=progress,

@@ -52,7 +52,7 @@ def check_variant(variant: str, model: nn.Module, dtype: torch.dtype | None = No
         None, "variant", "'bos' needs the model's config.bos_token_id, which is None",
     )  # fmt: skip
     require(
-        variant_hooks(variant) is None or compat.keeps_keys_and_values(model),
+        variant_hooks(variant) is None or compat.host(model).keeps_kv,
         None, "variant",
         f"{variant!r} changes transformers' attention, which {type(model).__name__} does not "
         "run (its cache holds KVM states)",
