@@ -46,9 +46,17 @@ def stream(watch: AnswerWatch, tokens: list[int]) -> tuple[list[str], int]:
             "Miss Taylor is a most excellent and excellent friend to Emma. She is a\nkind friend, "
             "and has been a most excellent and excellent\nfriend to Emma.",
         ),
+        (  # the repeat's characters stand before its first place too ("t" of "excellent")
+            "The most excellent, and most just, and most just, and most just, and most",
+            False,  # the answer ends at a word's end, not inside "just"
+            "The most excellent, and most just",
+        ),
         ("Kitty.\nThe answer is:\nThe answer is:\nLongbourn", False, "Kitty.\nThe answer is:"),
         ("The answer is, two.\nThe answer is, two.\nThe", False, "The answer is, two."),
         (" Mr. Bingley.\nQuestion: Who is he?\nAnswer:", True, "Mr. Bingley."),
+        (' Mr. Bingley. "I am not so sure of that," said Jane', True, "Mr. Bingley."),
+        (" Dr. J. Smith, of St. Albans, came. He said", True, "Dr. J. Smith, of St. Albans, came."),
+        (" Who knows? Perhaps not", True, "Who knows?"),
         ("Mr. Bingley.\nQuestion: Who is he?\nAnswer:", False, None),  # no repeat: all of it
         ("Mr. Bingley and Mr. Bingley's sister, Miss Bingley, came.", False, None),
     ],

@@ -224,7 +224,7 @@ class AskOptions(DocumentOptions):
     max_new_tokens: int = setting(128, "answer tokens at most")
     stop_at_repeat: bool = setting(
         True, "stop an answer where it starts to repeat itself (8 tokens or a line said "
-        "again; never printed) and, without a chat template, at the end of its first line",
+        "again; never printed) and, without a chat template, at the end of its first sentence",
     )  # fmt: skip
     sample: bool = setting(False, "sample instead of greedy")
     temperature: float = setting(1.0, "sampling temperature")

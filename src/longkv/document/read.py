@@ -202,7 +202,7 @@ class Document:
         """Answer a question from the read, without changing it: greedy unless `pick` samples;
         on_text sees the answer's text in pieces as they come, which join into its text;
         stop_at_repeat: stop where the answer starts to repeat itself, and without a chat
-        template at the end of its first line (`document.repeat`; the repeat is never in a
+        template at the end of its first sentence (`document.repeat`; the repeat is never in a
         piece nor in the text)."""
         require(bool(question.strip()), None, "question", "is empty; ask something")
         require(max_new_tokens >= 1, None, "max_new_tokens", f"must be >= 1, got {max_new_tokens}")

@@ -9,7 +9,9 @@ as they come (B = 1) and stops decoding at the first of:
   half sentence is left: "...friend to Emma. She" cut at "She is a most excellent friend");
 - a finished line repeats an earlier non-empty line: the answer ends before it;
 - with `one_line` (a prompt without a chat template, "...\\nAnswer:", whose base model would go
-  on to the next "Question:"), a newline after some text: the answer is its first line.
+  on to the next "Question:", or on with the story), the end of a sentence or line after some
+  text: the answer is its first sentence ("Mr. Bingley." of 'Mr. Bingley. "I am not so sure of
+  that," said Jane, ...').
 What may still turn out to be cut is held back from `shown`: the sentence being written (so an
 answer streams sentence by sentence), the longest run of last tokens that occurs earlier in the
 answer, and a line so far that an earlier line begins with. So a printer that shows
@@ -30,11 +32,31 @@ from longkv.document.prompt import uses_template
 NGRAM = 8
 # where a sentence ends: its mark, closing quotes or brackets, then white space; or a newline
 SENTENCE_END = re.compile(r"[.!?][\"')\]]*\s+|\n")
+# a word whose period ends no sentence ("Mr. Bingley"), besides an initial ("J. Smith")
+ABBREVIATIONS = frozenset(
+    {"Mr", "Mrs", "Ms", "Messrs", "Dr", "St", "Sr", "Jr", "Rev", "Col", "Capt", "Gen", "Lt",
+     "Prof", "vs", "etc"}
+)  # fmt: skip
+WORD_BEFORE = re.compile(r"(\w+)$")
+
+
+def sentence_ends(text: str, at: int) -> list[int]:
+    """Where the sentences of text[:at] end (after the white space that follows each), an
+    abbreviation's or initial's period left out."""
+    ends = []
+    for m in SENTENCE_END.finditer(text, 0, at):
+        word = WORD_BEFORE.search(text, 0, m.start())
+        if text[m.start()] == "." and word and word.end() == m.start():
+            w = word.group(1)
+            if w in ABBREVIATIONS or (len(w) == 1 and w.isupper()):
+                continue
+        ends.append(m.end())
+    return ends
 
 
 def sentence_start(text: str, at: int) -> int:
     """Where the sentence that position `at` of text is in starts (0: the text's start)."""
-    ends = [m.end() for m in SENTENCE_END.finditer(text, 0, at)]
+    ends = sentence_ends(text, at)
     return ends[-1] if ends else 0
 
 
@@ -77,12 +99,16 @@ class AnswerWatch:
     def start_of(self, text: str, k: int, j: int) -> int:
         """Where in text the last k tokens' repeat of tokens j.. starts, moved back over the
         characters before it that also stand before its earlier place (" I am ..." repeating
-        "I am ...": the repeat starts at "I", though the token " I" is not the token "I"), and
-        back to the start of its sentence where that sentence starts after the earlier place."""
+        "I am ...": the repeat starts at "I", though the token " I" is not the token "I") but
+        never into a word (", and most just" repeating after "excellent": "jus" is not cut from
+        its "t"), and back to the start of its sentence where that sentence starts after the
+        earlier place."""
         at = len(self.decode(self.tokens[: len(self.tokens) - k]))
         earlier = len(self.decode(self.tokens[:j]))
         while earlier > 0 and at > earlier and text[at - 1] == text[earlier - 1]:
             at, earlier = at - 1, earlier - 1
+        while 0 < at < len(text) and text[at - 1].isalnum() and text[at].isalnum():
+            at += 1  # to the end of the word it fell in
         begun = sentence_start(text, at)
         return begun if begun > earlier else at
 
@@ -96,10 +122,12 @@ class AnswerWatch:
                 return self.stop(self.start_of(text, k, j), text)
             lines = text.split("\n")
             start = len(text) - len(lines[-1])  # where the line being written starts
+            if self.one_line:  # its first sentence (or line) once it has ended
+                ends = [e for e in sentence_ends(text, len(text)) if text[:e].strip()]
+                if ends:
+                    return self.stop(ends[0], text)
             if len(lines) > 1:
                 finished = lines[-2].strip()
-                if self.one_line and finished and not any(line.strip() for line in lines[:-2]):
-                    return self.stop(start, text)
                 if finished and finished in {line.strip() for line in lines[:-2]}:
                     return self.stop(start - len(lines[-2]) - 1, text)
             safe = sentence_start(text, len(text))  # a repeat may yet start in it
