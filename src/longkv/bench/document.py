@@ -8,9 +8,9 @@ set against that of a fresh read of document and second question (`read_and_answ
 token for token (greedy). Then the read is saved and loaded (size, seconds) twice, every tensor
 as held and by default (`kv_dtype` auto: a float32 read's keys and values in float16), and each
 loaded read asked the second question again: its answer must equal the kept read's. Two-level
-runs once per
-leaf store (`leaves`); the fresh read is made for the first only (the others differ from it in
-the leaves alone). Runs go one after another, nothing else running: time it alone.
+runs once per leaf store (`leaves`); the fresh read is made for the first only (the others
+differ from it in the leaves alone). Runs go one after another, nothing else running: time it
+alone.
 """
 
 from __future__ import annotations
