@@ -151,7 +151,7 @@ class StatePickler(pickle.Pickler):
         self.tensors: list[Tensor] = []
         self.rebuilt, self.kv, self.kv_dtype = rebuilt, kv, kv_dtype
 
-    def persistent_id(self, obj: object) -> tuple[str, object, str | None] | None:
+    def persistent_id(self, obj: object) -> tuple[str, object, torch.dtype | None] | None:
         if obj is self.rebuilt and obj is not None:
             return ("rebuilt", None, None)
         if isinstance(obj, nn.Module):
@@ -169,7 +169,7 @@ class StatePickler(pickle.Pickler):
                 t = t.to(kept, memory_format=torch.contiguous_format, copy=True)
             self.tensors.append(t)
             kind = "rows" if isinstance(obj, Rows) else "tensor"
-            return (kind, len(self.tensors) - 1, None if kept == held else str(held))
+            return (kind, len(self.tensors) - 1, None if kept == held else held)
         return None
 
 
@@ -198,7 +198,7 @@ class StateUnpickler(pickle.Unpickler):
             return self.model.get_submodule(key)
         t = self.tensors[key]
         if held is not None:  # keys or values kept narrower than they were held
-            t = t.to(getattr(torch, held.removeprefix("torch.")))
+            t = t.to(held)
         return owned_rows(t) if kind == "rows" else t
 
 
@@ -266,7 +266,7 @@ def write_files(doc: Document, folder: Path, kv_dtype: str) -> None:
         "tokenizer": {"fingerprint": tokenizer_fingerprint(doc.tokenizer)},
         "settings": {**asdict(s), "config": config},  # method, label, chunks, chat
         "tokens": doc.tokens, "pending": len(doc.pending),
-        "kv_dtype": {"asked": kv_dtype, "model's keys kept in": kept_name},
+        "kv_dtype": {"asked": kv_dtype, "kept": kept_name},  # kept: for the model's dtype
         "files": files,
     }  # fmt: skip
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str) + "\n")
