@@ -146,6 +146,20 @@ def test_restart_decodes_at_positions_mod_the_chunk() -> None:
     assert tokens[0, 0] == ref[0, 39].argmax()
 
 
+def test_the_positions_a_prefix_inserts_count_against_the_models() -> None:
+    """40 tokens in chunks of 16 take 40 positions, 43 with a BOS per chunk ('bos') and 46 with
+    a 2-token prefix per chunk: refused past a model of 42 (or 45) positions."""
+    model = tiny_hf(dtype=torch.float64, max_position_embeddings=42)
+    ids = IDS[:, :40]
+    kv_fold(model, ids, 16)  # 40 fit
+    with pytest.raises(ValueError, match="take 43 positions"):
+        kv_fold(model, ids, 16, variant="bos")
+    model = tiny_hf(dtype=torch.float64, max_position_embeddings=45)
+    kv_fold(model, ids, 16, variant="bos")
+    with pytest.raises(ValueError, match="take 46 positions"):
+        kv_fold(model, ids, 16, prefix_ids=torch.tensor([1, 2]))
+
+
 def test_bad_variants_are_refused() -> None:
     model = tiny_hf(dtype=torch.float64)
     with pytest.raises(ValueError, match="variant: 'sideways' is not one of"):

@@ -21,7 +21,7 @@ from transformers.cache_utils import Cache
 from longkv.checks import refuse
 from longkv.fold import compat
 from longkv.fold.attention import hooked
-from longkv.fold.variants import check_variant, variant_hooks
+from longkv.fold.variants import check_variant, inserted_positions, variant_hooks
 from longkv.nll import token_nll
 
 Forward = Callable[[Tensor], Tensor]  # token ids (B, L) -> logits (B, L, V), advancing a cache
@@ -307,11 +307,12 @@ def kv_fold(
             f"prefix_ids: a per-chunk prefix is itself a variant of the fold; pass it with "
             f"variant='exact', not {variant!r}"
         )
-    P = 1 if variant == "bos" else 0 if prefix_ids is None else prefix_ids.numel()
     T = input_ids.shape[1]
+    inserted = inserted_positions(variant, T, chunk_size)  # 'bos': one per chunk
+    if prefix_ids is not None:
+        inserted += prefix_ids.numel() * -(-T // chunk_size)
     start = 0 if cache is None else cache.get_seq_length()
-    check_foldable(model, start + T + P * -(-T // chunk_size) + reserve,
-                   allow_extrapolation=allow_extrapolation)  # fmt: skip
+    check_foldable(model, start + T + inserted + reserve, allow_extrapolation=allow_extrapolation)
     runner = FoldRunner(model, cache, offload=offload_cache, variant=variant, chunk_size=chunk_size)
     if variant == "bos":
         prefix_ids = torch.tensor([model.config.bos_token_id])
