@@ -57,6 +57,7 @@ def stream(watch: AnswerWatch, tokens: list[int]) -> tuple[list[str], int]:
         (' Mr. Bingley. "I am not so sure of that," said Jane', True, "Mr. Bingley."),
         (" Dr. J. Smith, of St. Albans, came. He said", True, "Dr. J. Smith, of St. Albans, came."),
         (" Who knows? Perhaps not", True, "Who knows?"),
+        (" It was at Camberwell. Then he", True, "It was at Camberwell."),  # a long word's period
         ("Mr. Bingley.\nQuestion: Who is he?\nAnswer:", False, None),  # no repeat: all of it
         ("Mr. Bingley and Mr. Bingley's sister, Miss Bingley, came.", False, None),
     ],

@@ -37,7 +37,9 @@ ABBREVIATIONS = frozenset(
     {"Mr", "Mrs", "Ms", "Messrs", "Dr", "St", "Sr", "Jr", "Rev", "Col", "Capt", "Gen", "Lt",
      "Prof", "vs", "etc"}
 )  # fmt: skip
-WORD_BEFORE = re.compile(r"(\w+)$")
+WORD_BEFORE = re.compile(r"\w+$")
+# how far back a mark's word is read: a longer word is no abbreviation nor initial either
+WORD_SPAN = max(map(len, ABBREVIATIONS)) + 1
 
 
 def sentence_ends(text: str, at: int) -> list[int]:
@@ -45,9 +47,9 @@ def sentence_ends(text: str, at: int) -> list[int]:
     abbreviation's or initial's period left out."""
     ends = []
     for m in SENTENCE_END.finditer(text, 0, at):
-        word = WORD_BEFORE.search(text, 0, m.start())
-        if text[m.start()] == "." and word and word.end() == m.start():
-            w = word.group(1)
+        word = WORD_BEFORE.search(text, max(0, m.start() - WORD_SPAN), m.start())
+        if text[m.start()] == "." and word:
+            w = word.group()
             if w in ABBREVIATIONS or (len(w) == 1 and w.isupper()):
                 continue
         ends.append(m.end())
