@@ -31,7 +31,7 @@ from longkv.caches.methods import BoundedOptions, make_runner, read_and_answer
 from longkv.checks import SettingError
 from longkv.decoding import Sampler
 from longkv.document import Document, read
-from longkv.document.prompt import prompt_ids
+from longkv.document.prompt import document_ids, prompt_ids
 from longkv.document.save import MANIFEST, STATE, TENSORS, SavedReadError, load
 from longkv.train.tokenizer import gpt2_tokenizer
 
@@ -99,6 +99,26 @@ def test_ten_questions_in_two_orders_answer_as_fresh_reads(
     assert len({tuple(a) for a in forward.values()}) > 1  # the answers tell the questions apart
     for q in QUESTIONS[:3]:
         assert forward[q] == fresh(model, tokenizer, method, q), q
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_read_extended_answers_as_a_read_of_the_whole(
+    model_and_tokenizer: tuple[Any, Any], method: str
+) -> None:
+    model, tokenizer = model_and_tokenizer
+    name = "kvm-fold" if method == "two-level" else method
+    ids = document_ids(tokenizer, TEXT)
+    options = {"config": method_config(method), "progress": False, **CHUNKS}
+    whole = read(model, tokenizer, ids, name, **options)
+    cut = 2 * len(ids) // 3 + 5  # not a multiple of either chunk
+    part = read(model, tokenizer, ids[:cut], name, **options)
+    before = answers(part, QUESTIONS[:2])
+    extended = part.extend(ids[cut:])
+    assert extended.tokens == whole.tokens == len(ids)
+    assert extended.pending == whole.pending
+    assert extended.tokens - len(extended.pending) > part.tokens  # read, not left pending
+    assert answers(extended, QUESTIONS[:4]) == answers(whole, QUESTIONS[:4])
+    assert answers(part, QUESTIONS[:2]) == before  # the read extended is left as it was
 
 
 @pytest.mark.parametrize(

@@ -205,10 +205,31 @@ class Document:
         template at the end of its first sentence (`document.repeat`; the repeat is never in a
         piece nor in the text)."""
         require(bool(question.strip()), None, "question", "is empty; ask something")
+        ids = question_ids(self.tokenizer, question, self.settings.chat)
+        return self.answer(
+            ids, max_new_tokens, question=question, pick=pick, on_text=on_text,
+            stop_at_repeat=stop_at_repeat, progress=progress,
+        )  # fmt: skip
+
+    def answer(
+        self,
+        ids: list[int],
+        max_new_tokens: int = 128,
+        *,
+        question: str = "",
+        pick: Pick = greedy,
+        on_text: Callable[[str], object] | None = None,
+        stop_at_repeat: bool = True,
+        progress: bool = False,
+        cancelled: Callable[[], bool] | None = None,
+    ) -> Answer:
+        """`ask` for the prompt's part after the document given as token ids (a question's
+        part, `question_ids`, or any continuation of the prompt), the answer labelled
+        `question`; cancelled: asked after each token, True stops the answer there."""
+        require(bool(ids), None, "ids", "is empty: a continuation has at least one token")
         require(max_new_tokens >= 1, None, "max_new_tokens", f"must be >= 1, got {max_new_tokens}")
         s, tok = self.settings, self.tokenizer
-        ids = torch.tensor([self.pending + question_ids(tok, question, s.chat)])
-        ids = ids.to(self.model.get_input_embeddings().weight.device)
+        tensor = torch.tensor([self.pending + list(ids)], device=self.device())
         eos = getattr(tok, "eos_token_id", None)
         start = time.perf_counter()
         first: list[float] = []
@@ -227,27 +248,65 @@ class Document:
                 return False
             stop = watch(token)
             show(watch.final() if stop else watch.text[: watch.shown])
-            return stop
+            return stop or (cancelled is not None and cancelled())
 
         runner = fork(self.runner)
         if isinstance(runner, FoldRunner):
-            chunk = ids.shape[1] if s.method == "full" else s.chunk_size
+            chunk = tensor.shape[1] if s.method == "full" else s.chunk_size
             out = fold_generate(
-                self.model, ids, chunk, max_new_tokens, eos_token_id=eos, cache=runner.cache,
-                allow_extrapolation=s.allow_extrapolation, progress=progress, pick=pick,
-                on_token=seen,
+                self.model, tensor, chunk, max_new_tokens, eos_token_id=eos,
+                cache=runner.cache, allow_extrapolation=s.allow_extrapolation,
+                progress=progress, pick=pick, on_token=seen,
             )  # fmt: skip
         else:
             out = bounded_generate(
-                runner, ids, s.stream_chunk, max_new_tokens, eos_token_id=eos,
+                runner, tensor, s.stream_chunk, max_new_tokens, eos_token_id=eos,
                 progress=progress, pick=pick, on_token=seen, desc=s.label,
             )  # fmt: skip
         tokens = [t for t in out[0].tolist() if t != eos]
         text = watch.final()
         show(text)
         return Answer(
-            question, text, tokens, first[0], time.perf_counter() - start, ids.shape[1]
+            question, text, tokens, first[0], time.perf_counter() - start, tensor.shape[1]
         )  # fmt: skip
+
+    def extend(self, ids: list[int], progress: bool = False) -> Document:
+        """The read continued by more of the prompt (token ids after the document's), as a
+        new Document; this one is left as it was. A bounded read takes the new tokens in whole
+        chunks of `stream_chunk` and leaves the rest pending, as `read` does, so the extended
+        read is a fresh read's of document and ids."""
+        s = self.settings
+        ids = self.pending + [int(t) for t in ids]
+        runner = fork(self.runner)
+        start = time.perf_counter()
+        if isinstance(runner, FoldRunner):
+            if ids:
+                tensor = torch.tensor([ids], device=self.device())
+                chunk = len(ids) if s.method == "full" else s.chunk_size
+                fold = kv_fold(
+                    self.model, tensor, chunk, cache=runner.cache, score=False,
+                    allow_extrapolation=s.allow_extrapolation, progress=progress,
+                )  # fmt: skip
+                runner = FoldRunner(self.model, fold.cache, fold.next_position)
+            pending: list[int] = []
+        else:
+            whole = len(ids) // s.stream_chunk * s.stream_chunk
+            if whole:
+                tensor = torch.tensor([ids[:whole]], device=self.device())
+                bounded_fold(
+                    runner, tensor, s.stream_chunk, score=False, progress=progress, desc=s.label
+                )
+            pending = ids[whole:]
+        seconds = time.perf_counter() - start
+        tokens = self.tokens + len(ids) - len(self.pending)
+        return Document(
+            self.model, self.tokenizer, s, runner, pending, tokens, self.read_seconds + seconds,
+            self.model_id,
+        )  # fmt: skip
+
+    def device(self) -> torch.device:
+        """Where the read's token ids go: the model's input embedding's device."""
+        return self.model.get_input_embeddings().weight.device
 
 
 def check_document(text: str) -> None:
