@@ -17,7 +17,7 @@ FLOORS: dict[str, int] = {
     "fold": 4,
     "caches": 5,
     "evals": 6, "train": 6, "document": 6,
-    "study": 7, "bench": 7,
+    "study": 7, "bench": 7, "serve": 7,
     "cli": 8,
     "__main__": 9,
 }  # fmt: skip

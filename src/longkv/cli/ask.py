@@ -131,19 +131,22 @@ class DocumentOptions(BoundedOptions):
             self.chat, allow_extrapolation,
         )  # fmt: skip
 
-    def chosen(self, config: Any, needed: int, given: frozenset[str]) -> DocumentOptions:
+    def chosen(
+        self, config: Any, needed: int, given: frozenset[str], say: bool = True
+    ) -> DocumentOptions:
         """These options with the method resolved: two-level as kvm-fold with `TWO_LEVEL`'s
         setting where no option was given; auto for `needed` positions of the model of `config`
-        (`auto_method`), the choice said in one line on stderr. An option `given` that a method
-        named does not read is refused (`refuse_ignored`); under auto, it waits for an input
-        long enough that a method that reads it is chosen."""
+        (`auto_method`), the choice said in one line on stderr (with say). An option `given`
+        that a method named does not read is refused (`refuse_ignored`); under auto, it waits
+        for an input long enough that a method that reads it is chosen."""
         o = self
         if o.method == "two-level":
             kept = {k: v for k, v in two_level_options().items() if k not in given}
             o = replace(o, method="kvm-fold", **kept)
         elif o.method == AUTO:
             method, why = auto_method(config, needed)
-            print(f"read by {why}", file=sys.stderr)
+            if say:
+                print(f"read by {why}", file=sys.stderr)
             chosen = LONG_OPTIONS if method == LONG_METHOD else {}
             o = replace(o, method=method, **{k: v for k, v in chosen.items() if k not in given})
             return o  # the options of the method auto did not choose wait for longer inputs

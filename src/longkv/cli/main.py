@@ -30,6 +30,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "longkv.cli.ask",
         "read a long document once (any method of ask) and save the read, for ask --load",
     ),
+    "serve": (
+        "longkv.cli.serve",
+        "an OpenAI-compatible server (chat and completions) that keeps each document's read and "
+        "answers a second question about it from the kept read",
+    ),
     "niah": (
         "longkv.cli.niah",
         "needle in a haystack: full, fold and bounded caches; JSON, table and heatmap",
@@ -85,6 +90,7 @@ EXAMPLES: dict[str, str] = {
         "longkv read --file book.txt --method two-level --save book.read; "
         'longkv ask --load book.read --question "Who is Mr. Darcy?"'
     ),
+    "serve": "longkv serve --port 8000 --api-key KEY",
     "niah": (
         "longkv niah --tasks niah_single_1 --lengths 4096 8192 --depths 0.25 0.5 0.75 "
         "--methods full fold"

@@ -33,6 +33,7 @@ import os
 import pickle
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -103,10 +104,9 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def kv_parts(root: object) -> set[int]:
-    """ids of the tensors and `Rows` under root that hold keys and values: those reached
-    through a field that its object's class (or a base) names in its `KV_FIELDS`."""
-    kv: set[int] = set()
+def tensors_under(root: object) -> Iterator[tuple[Tensor | Rows, bool]]:
+    """The tensors and `Rows` under root (not a module's), each with whether it holds keys and
+    values: reached through a field that its object's class (or a base) names in `KV_FIELDS`."""
     seen: set[tuple[int, bool]] = set()
     todo: list[tuple[object, bool]] = [(root, False)]
     while todo:
@@ -115,8 +115,7 @@ def kv_parts(root: object) -> set[int]:
             continue
         seen.add((id(obj), inside))
         if isinstance(obj, (Tensor, Rows)):
-            if inside:
-                kv.add(id(obj))
+            yield obj, inside
         elif isinstance(obj, (list, tuple)):
             todo.extend((item, inside) for item in obj)
         elif isinstance(obj, dict):
@@ -124,7 +123,22 @@ def kv_parts(root: object) -> set[int]:
         elif hasattr(obj, "__dict__") and not isinstance(obj, type):
             fields = {f for c in type(obj).__mro__ for f in vars(c).get("KV_FIELDS", ())}
             todo.extend((v, inside or k in fields) for k, v in vars(obj).items())
-    return kv
+
+
+def kv_parts(root: object) -> set[int]:
+    """ids of the tensors and `Rows` under root that hold keys and values (`tensors_under`)."""
+    return {id(t) for t, inside in tensors_under(root) if inside}
+
+
+def held_bytes(*roots: object) -> int:
+    """Bytes of memory the tensors under roots hold (not a module's weights), each storage
+    counted once however many of them share it."""
+    storages = {}
+    for root in roots:
+        for t, _ in tensors_under(root):
+            storage = (t.tensor if isinstance(t, Rows) else t).untyped_storage()
+            storages[storage.data_ptr(), storage.device] = storage.nbytes()
+    return sum(storages.values())
 
 
 def kept_dtype(kv_dtype: str, held: torch.dtype) -> torch.dtype:

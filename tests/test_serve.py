@@ -1,0 +1,257 @@
+"""`longkv serve` as a client meets it: a real server process on 127.0.0.1 over a tiny random
+Llama (a chat template on the GPT-2 tokenizer), driven by the official `openai` client: chat,
+streaming, usage, a second question answered from the kept read as a fresh read answers it,
+clients at once answered as one at a time, and each error in OpenAI's shape."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from conftest import over_tokenizer, tiny_hf_config
+from longkv.document import read
+from longkv.models.pretrained import load_pretrained
+from longkv.serve.prompt import chat_parts, text_parts
+
+openai = pytest.importorskip("openai")
+
+TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+DOCUMENT = " ".join(f"Item {i % 37} lies in room {i % 11}." for i in range(120))
+QUESTIONS = [f"Where does item {i} lie?" for i in range(8)]
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A folder with a random 1-layer Llama and the GPT-2 tokenizer given a chat template."""
+    from longkv.train.tokenizer import gpt2_tokenizer
+
+    folder = tmp_path_factory.mktemp("tiny_chat")
+    tokenizer = gpt2_tokenizer()
+    tokenizer.chat_template = TEMPLATE
+    config = tiny_hf_config(**over_tokenizer(tokenizer), max_position_embeddings=4096)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A `longkv serve` process on a free port of 127.0.0.1."""
+
+    def __init__(self, model: str, *options: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        argv = [sys.executable, "-m", "longkv", "serve", "--model", model, "--name", "tiny",
+                "--port", str(self.port), *options]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.process = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, env=env)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, self.process.stderr.read()
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.2)
+        raise AssertionError("the server did not start")
+
+    def client(self, key: str = "none") -> Any:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0)
+
+    def stop(self, sig: int = signal.SIGTERM) -> tuple[int, str]:
+        self.process.send_signal(sig)
+        _, err = self.process.communicate(timeout=60)
+        return self.process.returncode, err
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat_model: str) -> Iterator[Server]:
+    s = Server(tiny_chat_model, "--max-tokens", "64")
+    yield s
+    s.stop()
+
+
+def ask(client: Any, question: str, document: str = DOCUMENT, **options: Any) -> Any:
+    message = {"role": "user", "content": f"{document}\n\n{question}"}
+    return client.chat.completions.create(
+        model="tiny", messages=[message], **{"max_tokens": MAX_TOKENS, **options}
+    )
+
+
+@pytest.fixture(scope="module")
+def fresh_answers(tiny_chat_model: str) -> dict[str, str]:
+    """Each question's answer from a fresh read of the document in this process (`longkv.read`
+    and `Document.ask`, as `longkv ask` answers)."""
+    model, tokenizer = load_pretrained(tiny_chat_model)
+    out = {}
+    for q in QUESTIONS:
+        doc = read(model, tokenizer, DOCUMENT, "fold", progress=False)
+        out[q] = doc.ask(q, MAX_TOKENS).text
+    return out
+
+
+def test_a_second_question_is_answered_from_the_kept_read_as_a_fresh_read(
+    server: Server, fresh_answers: dict[str, str]
+) -> None:
+    client = server.client()
+    first = ask(client, QUESTIONS[0], document=DOCUMENT + " Once more.")
+    second = ask(client, QUESTIONS[1], document=DOCUMENT + " Once more.")
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    kept = second.usage.prompt_tokens_details.cached_tokens
+    assert 0 < kept < second.usage.prompt_tokens  # the document's tokens, not the question's
+    for q in QUESTIONS[:2]:
+        answer = ask(client, q)
+        assert answer.choices[0].message.content == fresh_answers[q]
+        assert answer.choices[0].message.role == "assistant"
+        assert answer.usage.completion_tokens <= MAX_TOKENS
+        total = answer.usage.prompt_tokens + answer.usage.completion_tokens
+        assert answer.usage.total_tokens == total
+
+
+def test_a_streamed_answer_joins_into_the_whole_answer_with_usage_last(
+    server: Server, fresh_answers: dict[str, str]
+) -> None:
+    chunks = list(ask(server.client(), QUESTIONS[2], stream=True,
+                      stream_options={"include_usage": True}))  # fmt: skip
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == fresh_answers[QUESTIONS[2]]
+    assert chunks[-2].choices[0].finish_reason in ("stop", "length")
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens >= 1
+
+
+def test_a_text_prompt_splits_at_its_last_blank_line_as_ask_no_chat_reads(
+    server: Server, tiny_chat_model: str
+) -> None:
+    model, tokenizer = load_pretrained(tiny_chat_model)
+    doc = read(model, tokenizer, DOCUMENT, "fold", progress=False, chat=False)
+    want = doc.ask(QUESTIONS[3], MAX_TOKENS, stop_at_repeat=False)  # a raw continuation
+    prompt = f"{DOCUMENT}\n\nQuestion: {QUESTIONS[3]}\nAnswer:"
+    context, rest = text_parts(tokenizer, prompt)
+    assert context == tokenizer(DOCUMENT)["input_ids"]
+    got = server.client().completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS)
+    assert got.usage.prompt_tokens == len(context) + len(rest)
+    assert got.usage.completion_tokens == len(want.tokens) == MAX_TOKENS
+    assert got.choices[0].text == want.text and got.choices[0].finish_reason == "length"
+
+
+def test_eight_clients_at_once_get_the_answers_of_one_at_a_time(
+    server: Server, fresh_answers: dict[str, str]
+) -> None:
+    got: dict[tuple[int, str], str] = {}
+
+    def client(i: int) -> None:
+        c = server.client()
+        for q in (QUESTIONS[i], QUESTIONS[(i + 3) % 8]):
+            got[i, q] = ask(c, q).choices[0].message.content
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 16
+    assert all(text == fresh_answers[q] for (_, q), text in got.items())
+
+
+def post(url: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, dict]:
+    """Status and JSON of a POST."""
+    request = urllib.request.Request(url, body, {"Content-Type": "application/json",
+                                                 **(headers or {})})  # fmt: skip
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as err:
+        return err.code, {**json.loads(err.read()), "headers": err.headers}
+
+
+def test_bad_requests_get_openai_shaped_errors_without_a_traceback(server: Server) -> None:
+    url = server.url + "/v1/chat/completions"
+    status, body = post(url, b"{not json")
+    assert status == 400 and "not JSON" in body["error"]["message"]
+    status, body = post(url, json.dumps({"model": "tiny", "messages": []}).encode())
+    assert status == 400 and body["error"]["param"] == "messages"
+    message = [{"role": "user", "content": "hello there"}]
+    status, body = post(url, json.dumps({"model": "gpt-9", "messages": message}).encode())
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+    assert "tiny" in body["error"]["message"]
+    with pytest.raises(openai.NotFoundError):
+        server.client().chat.completions.create(model="gpt-9", messages=message)
+
+
+def test_a_key_a_length_a_body_limit_and_a_full_queue_are_enforced(tiny_chat_model: str) -> None:
+    s = Server(tiny_chat_model, "--api-key", "sesame", "--queue", "1", "--body-mib", "1",
+               "--method", "fold")  # fmt: skip
+    try:
+        long = {"model": "tiny", "messages": [{"role": "user", "content": "word " * 5000}]}
+        status, body = post(s.url + "/v1/chat/completions", json.dumps(long).encode(),
+                            {"Authorization": "Bearer sesame"})  # fmt: skip
+        assert status == 400 and "max_position_embeddings = 4096" in body["error"]["message"]
+        assert body["error"]["code"] == "context_length_exceeded"
+        with pytest.raises(openai.AuthenticationError):
+            ask(s.client("wrong"), QUESTIONS[0])
+        status, _ = post(s.url + "/v1/completions", b"{}")
+        assert status == 401
+        big = json.dumps({"model": "tiny", "prompt": "x" * (2 << 20)}).encode()
+        status, body = post(s.url + "/v1/completions", big, {"Authorization": "Bearer sesame"})
+        assert status == 413 and "1048576" in body["error"]["message"]
+        client = s.client("sesame")
+        assert ask(client, QUESTIONS[0]).choices[0].message.content is not None
+        # a long sampled answer holds the worker; one request waits, the next is refused
+        busy = ask(client, QUESTIONS[1], stream=True, max_tokens=3000, temperature=2.0)
+        first = next(iter(busy))
+        assert first.choices[0].delta.role == "assistant"
+        waiting = threading.Thread(target=ask, args=(client, QUESTIONS[2]))
+        waiting.start()
+        time.sleep(0.5)
+        message = {"model": "tiny", "messages": [{"role": "user", "content": "hi\n\nthere"}]}
+        status, body = post(s.url + "/v1/chat/completions", json.dumps(message).encode(),
+                            {"Authorization": "Bearer sesame"})  # fmt: skip
+        assert status == 503 and int(body["headers"]["Retry-After"]) >= 1
+        busy.close()  # the client leaves: its answer stops, the waiting one runs
+        waiting.join(timeout=60)
+        assert not waiting.is_alive()
+    finally:
+        code, err = s.stop()
+    assert code == 0, err
+    assert "Traceback" not in err
+
+
+def test_the_prompt_splits_where_ask_splits_document_and_question(tiny_chat_model: str) -> None:
+    from longkv.document.prompt import document_ids, question_ids
+
+    _, tokenizer = load_pretrained(tiny_chat_model)
+    turn = [{"role": "user", "content": f"{DOCUMENT}\n\n{QUESTIONS[0]}"}]
+    assert chat_parts(tokenizer, turn) == (
+        document_ids(tokenizer, DOCUMENT),
+        question_ids(tokenizer, QUESTIONS[0]),
+    )
+    system = [{"role": "system", "content": DOCUMENT}, {"role": "user", "content": "Why?"}]
+    context, rest = chat_parts(tokenizer, system)
+    assert tokenizer.decode(context).endswith(f"{DOCUMENT}\n<|user|>\n")
+    assert tokenizer.decode(rest) == "Why?\n<|assistant|>\n"
