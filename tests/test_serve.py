@@ -16,6 +16,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -255,3 +256,56 @@ def test_the_prompt_splits_where_ask_splits_document_and_question(tiny_chat_mode
     context, rest = chat_parts(tokenizer, system)
     assert tokenizer.decode(context).endswith(f"{DOCUMENT}\n<|user|>\n")
     assert tokenizer.decode(rest) == "Why?\n<|assistant|>\n"
+
+
+def test_kept_reads_are_stored_and_a_restart_answers_from_them_as_before(
+    tiny_chat_model: str, fresh_answers: dict[str, str], tmp_path: Path
+) -> None:
+    store = tmp_path / "store"
+    first = Server(tiny_chat_model, "--store", str(store))
+    try:
+        assert ask(first.client(), QUESTIONS[0]).usage.prompt_tokens_details.cached_tokens == 0
+    finally:
+        code, err = first.stop()
+    assert code == 0 and "stopped on SIGTERM" in err, err
+    assert len(list(store.glob("*.json"))) == 1 and len(list(store.iterdir())) == 2
+    second = Server(tiny_chat_model, "--store", str(store))
+    try:
+        answer = ask(second.client(), QUESTIONS[1])
+        assert answer.usage.prompt_tokens_details.cached_tokens > 0  # loaded, not read again
+        assert answer.choices[0].message.content == fresh_answers[QUESTIONS[1]]
+    finally:
+        second.stop()
+
+
+def test_a_store_killed_mid_save_or_damaged_never_loads_a_wrong_read(
+    tiny_chat_model: str, fresh_answers: dict[str, str], tmp_path: Path
+) -> None:
+    store = tmp_path / "store"
+    s = Server(tiny_chat_model, "--store", str(store))
+    for i in range(3):  # each a new document, its read saved after its answer
+        ask(s.client(), QUESTIONS[0], document=f"{DOCUMENT} Part {i}.")
+    s.process.kill()  # SIGKILL, at once: the last save may be under way
+    s.process.communicate(timeout=60)
+    reads = sorted(p for p in store.iterdir() if p.is_dir() and not p.name.startswith("."))
+    damaged = reads[0] / "tensors.pt"
+    damaged.write_bytes(damaged.read_bytes()[:100])  # truncated
+    (store / ".stray.saving-x").mkdir()  # a save that never finished
+    s = Server(tiny_chat_model, "--store", str(store))
+    try:
+        for i in range(3):
+            answer = ask(s.client(), QUESTIONS[1], document=f"{DOCUMENT} Part {i}.")
+            message = answer.choices[0].message.content
+            fresh = read_fresh(tiny_chat_model, f"{DOCUMENT} Part {i}.", QUESTIONS[1])
+            assert message == fresh, i
+    finally:
+        code, err = s.stop()
+    assert code == 0
+    assert "dropped the kept read" in err and "removed .stray.saving-x" in err, err
+    assert "Traceback" not in err
+
+
+def read_fresh(model_dir: str, document: str, question: str) -> str:
+    """The answer of a fresh read of document in this process (the fold, as the server reads)."""
+    model, tokenizer = load_pretrained(model_dir)
+    return read(model, tokenizer, document, "fold", progress=False).ask(question, MAX_TOKENS).text

@@ -39,6 +39,10 @@ class ServeOptions(DocumentOptions):
         2048, "memory the kept reads may hold (MiB); the least recently used go first"
     )
     body_mib: int = setting(64, "the largest request body (MiB); a larger one gets 413")
+    store: str | None = setting(
+        None, "a folder where the kept reads are saved (as held) and loaded again at start "
+        "(default: kept in memory alone)",
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -48,7 +52,7 @@ class ServeOptions(DocumentOptions):
 
 
 SERVE_GROUPS = (("the server", ("host", "port", "api_key", "name", "max_tokens", "queue",
-                                "kept_mib", "body_mib")), *GROUPS)  # fmt: skip
+                                "kept_mib", "body_mib", "store")), *GROUPS)  # fmt: skip
 
 
 def configure(name: str, parser: argparse.ArgumentParser) -> None:
@@ -63,6 +67,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
 
         from longkv.serve.app import Limits, make_app
         from longkv.serve.kept import KeptReads
+        from longkv.serve.store import Store
         from longkv.serve.worker import Reader, Worker
     except ImportError as err:
         print(f"longkv serve needs its extra: pip install 'longkv[serve]' ({err})", file=sys.stderr)
@@ -77,8 +82,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         chosen.check_positions(config, positions, m.allow_extrapolation)
         return chosen.read_settings(model, m.allow_extrapolation)
 
-    reader = Reader(model, tokenizer, settings_for, KeptReads(o.kept_mib << 20))
-    worker = Worker(reader, o.queue)
+    store = None if o.store is None else Store(o.store, model, tokenizer)
+    reader = Reader(model, tokenizer, settings_for, KeptReads(o.kept_mib << 20), store)
+    worker = Worker(reader, o.queue, reader.save_kept)
     limits = Limits(o.name or m.model, o.max_tokens, o.body_mib << 20, o.api_key)
     app = make_app(reader, worker, limits)
     print(f"serving {limits.model} at http://{o.host}:{o.port}/v1", file=sys.stderr, flush=True)

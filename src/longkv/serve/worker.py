@@ -14,7 +14,8 @@ from torch import nn
 
 from longkv.decoding import Pick
 from longkv.document.read import Answer, ReadSettings, read_ids
-from longkv.serve.kept import KeptReads
+from longkv.serve.kept import KeptReads, Key
+from longkv.serve.store import Store
 
 
 @dataclass
@@ -56,14 +57,20 @@ class Outcome:
 class Reader:
     """A model that answers jobs from kept reads: a job's context is read by the settings
     settings_for gives its positions (refusing, with a SettingError, what the model cannot
-    read), continuing the longest kept read it begins with (`Document.extend`), and kept."""
+    read), continuing the longest kept read it begins with (`Document.extend`), and kept; with
+    a store, the reads kept are saved after their answers (`save_kept`) and dropped with them."""
 
     def __init__(
         self, model: nn.Module, tokenizer: Any, settings_for: Callable[[int], ReadSettings],
-        kept: KeptReads,
+        kept: KeptReads, store: Store | None = None,
     ) -> None:  # fmt: skip
         self.model, self.tokenizer = model, tokenizer
-        self.settings_for, self.kept = settings_for, kept
+        self.settings_for, self.kept, self.store = settings_for, kept, store
+        self.unsaved: list[Key] = []
+        if store is not None:
+            kept.on_drop = store.drop
+            for key, doc in store.load():
+                kept.keep(*key, doc)
 
     def __call__(self, job: Job) -> Outcome:
         s = self.settings_for(job.positions())
@@ -72,8 +79,8 @@ class Reader:
             doc = read_ids(self.model, self.tokenizer, job.context, s, progress=False)
         elif cached < len(job.context):
             doc = doc.extend(job.context[cached:])
-        if cached < len(job.context):
-            self.kept.keep(s.label, job.context, doc)
+        if cached < len(job.context) and self.kept.keep(s.label, job.context, doc):
+            self.unsaved.append((s.label, tuple(job.context)))
         answer = doc.answer(
             job.rest, job.max_tokens, pick=job.pick, on_text=job.emit,
             stop_at_repeat=job.stop_at_repeat, cancelled=job.cancel.is_set,
@@ -86,13 +93,23 @@ class Reader:
         )  # fmt: skip
         return Outcome(answer, prompt, cached, s.label)
 
+    def save_kept(self) -> None:
+        """Save the reads kept since the last call and kept still (with a store)."""
+        unsaved, self.unsaved = self.unsaved, []
+        for key in unsaved:
+            if self.store is not None and key in self.kept.reads:
+                self.store.save(key, self.kept.reads[key])
+
 
 class Worker:
-    """One thread that runs `answer` on the jobs submitted, one at a time, in order; at most
-    `waiting` jobs wait (`submit` refuses more)."""
+    """One thread that runs `answer` on the jobs submitted, one at a time, in order, and `after`
+    once each job has its outcome; at most `waiting` jobs wait (`submit` refuses more)."""
 
-    def __init__(self, answer: Callable[[Job], Outcome], waiting: int):
-        self.answer = answer
+    def __init__(
+        self, answer: Callable[[Job], Outcome], waiting: int,
+        after: Callable[[], object] = lambda: None,
+    ) -> None:  # fmt: skip
+        self.answer, self.after = answer, after
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=waiting)
         self.thread = threading.Thread(target=self.loop, name="longkv-serve-worker", daemon=True)
         self.thread.start()
@@ -113,6 +130,7 @@ class Worker:
                 job.done(self.answer(job))
             except Exception as err:  # the job's own failure, told to its client
                 job.done(err)
+            self.after()
 
     def stop(self) -> None:
         """Finish the job in flight and the jobs waiting, then end the thread."""
