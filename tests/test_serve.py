@@ -309,3 +309,78 @@ def read_fresh(model_dir: str, document: str, question: str) -> str:
     """The answer of a fresh read of document in this process (the fold, as the server reads)."""
     model, tokenizer = load_pretrained(model_dir)
     return read(model, tokenizer, document, "fold", progress=False).ask(question, MAX_TOKENS).text
+
+
+class Browser:
+    """Headless Chromium driven through chromedriver's WebDriver protocol (HTTP and JSON)."""
+
+    ELEMENT = "element-6066-11e4-a52e-4f735466cecf"
+
+    def __init__(self, driver: str, binary: str):
+        self.port = free_port()
+        quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+        self.process = subprocess.Popen([driver, f"--port={self.port}"], **quiet)
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 30
+        while not self.ready() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        args = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"]
+        options = {"binary": binary, "args": args}
+        caps = {"alwaysMatch": {"browserName": "chrome", "goog:chromeOptions": options}}
+        self.session = self.call("POST", "/session", {"capabilities": caps})["sessionId"]
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/status", timeout=1):
+                return True
+        except OSError:
+            return False
+
+    def call(self, method: str, path: str, body: dict | None = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.url + path, data, method=method,
+                                         headers={"Content-Type": "application/json"})  # fmt: skip
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return json.loads(r.read())["value"]
+
+    def on(self, path: str, body: dict | None = None, method: str = "POST") -> Any:
+        return self.call(method, f"/session/{self.session}{path}", body)
+
+    def element(self, css: str) -> str:
+        return self.on("/element", {"using": "css selector", "value": css})[self.ELEMENT]
+
+    def close(self) -> None:
+        try:
+            self.on("", method="DELETE")
+        finally:
+            self.process.terminate()
+            self.process.wait(timeout=30)
+
+
+def test_the_page_asks_a_question_and_shows_the_answer_streamed(
+    server: Server, fresh_answers: dict[str, str]
+) -> None:
+    import shutil
+
+    driver, binary = shutil.which("chromedriver"), shutil.which("chromium")
+    if driver is None or binary is None:
+        assert not os.environ.get("CI"), "CI installs chromium and its driver (.ci/run)"
+        pytest.skip("chromium and chromedriver are not installed (apt install chromium-driver)")
+    browser = Browser(driver, binary)
+    try:
+        browser.on("/url", {"url": server.url + "/"})
+        script = "document.getElementById('document').value = arguments[0];"
+        browser.on("/execute/sync", {"script": script, "args": [DOCUMENT]})
+        browser.on(f"/element/{browser.element('#question')}/value", {"text": QUESTIONS[4]})
+        browser.on(f"/element/{browser.element('#ask')}/click", {})
+        status = browser.element("#status")
+        deadline = time.monotonic() + 60
+        while "answer tokens" not in browser.on(f"/element/{status}/text", method="GET"):
+            assert time.monotonic() < deadline, "the page showed no answer"
+            time.sleep(0.2)
+        shown = browser.on(f"/element/{browser.element('#answer')}/text", method="GET")
+        assert shown.startswith(fresh_answers[QUESTIONS[4]].strip())  # 64 tokens, not 6
+        said = browser.on(f"/element/{status}/text", method="GET")
+        assert "prompt tokens" in said and "first token after" in said
+    finally:
+        browser.close()

@@ -2,28 +2,31 @@
 
 `POST /v1/chat/completions` and `POST /v1/completions` (streamed as server-sent events or not,
 with usage; `usage.prompt_tokens_details.cached_tokens`: the prompt's tokens a kept read had
-read), `GET /v1/models`, `GET /health`. Errors come in OpenAI's shape (`api.ApiError`): a body
-that is not JSON or not a valid request 400, a model other than the served one 404, a prompt
-the method cannot read 400 naming the limit, a body over the limit 413, a missing or wrong key
-401 (with an API key set), a full queue 503 with Retry-After. A client that leaves stops its
-answer (or drops it from the queue)."""
+read), `GET /v1/models`, `GET /health`, and at `/` a page to paste a document and ask it
+questions (`page.html`: plain HTML and JavaScript, the answer streamed). Errors come in OpenAI's
+shape (`api.ApiError`): a body that is not JSON or not a valid request 400, a model other than
+the served one 404, a prompt the method cannot read 400 naming the limit, a body over the limit
+413, a missing or wrong key 401 (with an API key set), a full queue 503 with Retry-After. A
+client that leaves stops its answer (or drops it from the queue)."""
 
 from __future__ import annotations
 
 import asyncio
+import html
 import json
 import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from importlib import resources
 from typing import Any
 
 import torch
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from longkv.checks import SettingError
@@ -48,6 +51,15 @@ class Limits:
 
 def make_app(reader: Reader, worker: Worker, limits: Limits) -> Starlette:
     """The server's app: its routes over the worker; reader refuses what it cannot read."""
+
+    page = (
+        resources.files("longkv.serve").joinpath("page.html").read_text(encoding="utf-8")
+        .replace("__MODEL__", html.escape(limits.model, quote=True))
+        .replace("__KEY__", "required" if limits.api_key else "")
+    )  # fmt: skip
+
+    async def home(request: Request) -> Response:
+        return HTMLResponse(page)
 
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok", "kept_reads": len(reader.kept)})
@@ -77,6 +89,7 @@ def make_app(reader: Reader, worker: Worker, limits: Limits) -> Starlette:
         return run
 
     routes = [
+        Route("/", home),
         Route("/health", guarded(health)),
         Route("/v1/models", guarded(models)),
         Route("/v1/chat/completions", guarded(chat), methods=["POST"]),
