@@ -384,3 +384,31 @@ def test_the_page_asks_a_question_and_shows_the_answer_streamed(
         assert "prompt tokens" in said and "first token after" in said
     finally:
         browser.close()
+
+
+def test_the_readmes_curl_and_openai_examples_answer_as_a_fresh_read(
+    server: Server, tiny_chat_model: str, tmp_path: Path
+) -> None:
+    import re
+    import shutil
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    shell = next(b for b in re.findall(r"```bash\n(.*?)```", readme, re.S) if "longkv serve" in b)
+    started, asked = shell.split("\n", 1)
+    assert started == "longkv serve --port 8000 &"
+    (py,) = re.findall(r"```py\n(.*?)```", readme, re.S)
+    here = {"smollm2": "tiny", "localhost:8000": f"127.0.0.1:{server.port}",
+            "127.0.0.1:8000": f"127.0.0.1:{server.port}"}  # fmt: skip
+    for old, new in here.items():
+        asked, py = asked.replace(old, new), py.replace(old, new)
+    (tmp_path / "book.txt").write_text(DOCUMENT)
+    model, tokenizer = load_pretrained(tiny_chat_model)
+    doc = read(model, tokenizer, DOCUMENT, "fold", progress=False)
+    runs = [([sys.executable, "-c", py], "Where is Netherfield?")]
+    if shutil.which("jq") and shutil.which("curl"):
+        runs.append((["bash", "-c", asked], "Who is Mr. Darcy?"))
+    elif os.environ.get("CI"):
+        raise AssertionError("the README's curl example needs jq and curl")
+    for argv, question in runs:
+        out = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == doc.ask(question, 64).text.strip(), argv[0]
