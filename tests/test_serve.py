@@ -412,3 +412,21 @@ def test_the_readmes_curl_and_openai_examples_answer_as_a_fresh_read(
     for argv, question in runs:
         out = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, check=True)
         assert out.stdout.strip() == doc.ask(question, 64).text.strip(), argv[0]
+
+
+def test_bench_serve_sets_the_second_questions_first_token_against_the_first(
+    tiny_chat_model: str, tmp_path: Path
+) -> None:
+    from longkv.bench.serve import ServeBenchSettings, run, write_page
+
+    s = ServeBenchSettings(model=tiny_chat_model, tokens=300, clients=(1, 3), rounds=2,
+                           max_tokens=4, threads=1, out_dir=str(tmp_path))  # fmt: skip
+    report = run(s, ["bench", "serve"])
+    assert report["first"]["cached_tokens"] == 0 < report["second"]["cached_tokens"]
+    assert report["second"]["prompt_tokens"] > report["second"]["cached_tokens"] > 290
+    assert report["first_token_ratio"] > 0
+    assert [r["requests"] for r in report["loads"]] == [2, 6]
+    assert all(r["all_from_kept"] and not r["failed"] for r in report["loads"])
+    paths = write_page(report, s)
+    assert [p.suffix for p in paths] == [".json", ".md", ".png"]
+    assert "sooner than the first's" in paths[1].read_text()

@@ -1,4 +1,4 @@
-"""`longkv bench kvm`, `train`, `document`, `qa`, `readme` and `routing`: options
+"""`longkv bench kvm`, `train`, `document`, `qa`, `readme`, `routing` and `serve`: options
 from their settings dataclasses."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from longkv.bench import kvm_page
 from longkv.bench import qa as bench_qa
 from longkv.bench import readme as bench_readme
 from longkv.bench import routing as bench_routing
+from longkv.bench import serve as bench_serve
 from longkv.bench import train as bench_train
 from longkv.cli.args import HelpFormatter, command
 from longkv.cli.common import LoadOptions, require_own_page, require_positions
@@ -36,6 +37,8 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
          "the README's Python blocks on text of realistic length, each statement bounded"),
         ("routing", bench_routing, bench_routing.RoutingSettings, _run_bench_routing,
          "the share of full attention's mass each bounded cache attends exactly, by length"),
+        ("serve", bench_serve, bench_serve.ServeBenchSettings, _run_bench_serve,
+         "longkv serve over HTTP: a second question's first token, requests per minute"),
     ):  # fmt: skip
         sub = benches.add_parser(
             bench, help=help_text, description=module.__doc__, formatter_class=HelpFormatter
@@ -115,5 +118,14 @@ def _run_bench_routing(args: argparse.Namespace, argv: list[str]) -> int:
     payload = {"provenance": provenance(argv), "settings": settings, "parts": parts}
     paths = bench_routing.write_page(parts, s, payload, f"longkv bench routing: {m.model}")
     stem.with_suffix(".partial.json").unlink(missing_ok=True)
+    print(paths[1].read_text())
+    return 0
+
+
+def _run_bench_serve(args: argparse.Namespace, argv: list[str]) -> int:
+    settings = args.settings[bench_serve.ServeBenchSettings]
+    own_page(settings)
+    report = bench_serve.run(settings, argv)
+    paths = bench_serve.write_page(report, settings)
     print(paths[1].read_text())
     return 0

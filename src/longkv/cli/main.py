@@ -54,7 +54,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "bench": (
         "longkv.cli.bench",
-        "benchmarks: bench kvm, train, document, qa, readme, routing (recall of retrieval caches)",
+        "benchmarks: bench kvm, train, document, qa, readme, routing (recall of retrieval caches), "
+        "serve (longkv serve over HTTP)",
     ),
     "models": (
         "longkv.cli.models",
