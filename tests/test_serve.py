@@ -146,6 +146,12 @@ def test_a_streamed_answer_joins_into_the_whole_answer_with_usage_last(
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens >= 1
 
 
+def test_max_tokens_past_the_servers_limit_gets_the_limit(server: Server) -> None:
+    prompt = f"{DOCUMENT}\n\nQuestion: {QUESTIONS[5]}\nAnswer:"  # a raw continuation: no stop
+    got = server.client().completions.create(model="tiny", prompt=prompt, max_tokens=100000)
+    assert got.usage.completion_tokens == 64 and got.choices[0].finish_reason == "length"
+
+
 def test_a_text_prompt_splits_at_its_last_blank_line_as_ask_no_chat_reads(
     server: Server, tiny_chat_model: str
 ) -> None:
