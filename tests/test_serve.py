@@ -436,3 +436,30 @@ def test_bench_serve_sets_the_second_questions_first_token_against_the_first(
     paths = write_page(report, s)
     assert [p.suffix for p in paths] == [".json", ".md", ".png"]
     assert "sooner than the first's" in paths[1].read_text()
+
+
+def test_kept_reads_find_the_longest_begun_and_drop_the_least_recently_used(
+    tiny_chat_model: str,
+) -> None:
+    from longkv.document.save import held_bytes
+    from longkv.serve.kept import KeptReads
+
+    model, tokenizer = load_pretrained(tiny_chat_model)
+    ids = tokenizer(DOCUMENT)["input_ids"]
+    short = read(model, tokenizer, ids[:100], "fold", progress=False)
+    long = short.extend(ids[100:300])
+    other = read(model, tokenizer, ids[300:500], "fold", progress=False)
+    one = held_bytes(other.runner)
+    dropped: list[object] = []
+    kept = KeptReads(cap_bytes=held_bytes(short.runner, long.runner) + one // 2,
+                     on_drop=dropped.append)  # fmt: skip
+    assert kept.keep("fold", ids[:100], short) and kept.keep("fold", ids[:300], long)
+    assert kept.find("fold", ids[:400]) == (long, 300)  # the longest that ids begin with
+    assert kept.find("fold", ids[:250]) == (short, 100)  # short is now the most recent
+    assert kept.find("infllm", ids[:400]) == (None, 0)  # another method's reads never match
+    assert kept.find("fold", ids[1:400]) == (None, 0)
+    assert kept.keep("fold", ids[300:500], other)  # past the cap: the least recent goes
+    assert dropped == [("fold", tuple(ids[:300]))] and len(kept) == 2
+    assert kept.bytes() <= kept.cap_bytes
+    tiny = KeptReads(cap_bytes=one - 1)
+    assert not tiny.keep("fold", ids[300:500], other) and len(tiny) == 0  # alone past the cap
