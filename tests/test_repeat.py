@@ -113,3 +113,24 @@ def test_random_streams_stop_where_the_rule_written_out_says(tokenizer: Any, see
     want = tokenizer.decode(tokens if stop is None else tokens[: stop - NGRAM]).strip()
     assert watch.final() == (want if stop is not None else tokenizer.decode(tokens).lstrip())
     assert all(watch.final().startswith(s) for s in shown)
+
+
+@pytest.mark.parametrize("one_line", [False, True])
+def test_random_sentences_never_show_what_is_cut_and_the_first_streams_by_token(
+    tokenizer: Any, one_line: bool
+) -> None:
+    """Streams of a few words, sentence marks and newlines: what is shown is never taken back
+    (200 seeds), and the first sentence is shown before it ends."""
+    pieces = [" a", " b", " c", " I", "I", " am", ".", "!", "\n", " Mr", "."]
+    ids = [tokenizer(p)["input_ids"] for p in pieces]
+    assert all(len(i) == 1 for i in ids)
+    for seed in range(200):
+        rng = random.Random(seed)
+        tokens = [rng.choice(ids)[0] for _ in range(80)]
+        watch = AnswerWatch(tokenizer, one_line=one_line)
+        shown, _ = stream(watch, tokens)
+        assert all(watch.final().startswith(s) for s in shown), (seed, shown)
+    first = tokenizer(" Charlotte Lucas is a friend of Elizabeth Bennet.")["input_ids"]
+    watch = AnswerWatch(tokenizer, one_line=one_line)
+    shown, _ = stream(watch, first)
+    assert shown[2] == "Charlotte Lucas is"  # before its sentence ends

@@ -12,9 +12,10 @@ as they come (B = 1) and stops decoding at the first of:
   on to the next "Question:", or on with the story), the end of a sentence or line after some
   text: the answer is its first sentence ("Mr. Bingley." of 'Mr. Bingley. "I am not so sure of
   that," said Jane, ...').
-What may still turn out to be cut is held back from `shown`: the sentence being written (so an
-answer streams sentence by sentence), the longest run of last tokens that occurs earlier in the
-answer, and a line so far that an earlier line begins with. So a printer that shows
+What may still turn out to be cut is held back from `shown`: the sentence being written, but
+for the answer's first (so an answer streams token by token until its first sentence ends, then
+sentence by sentence), the longest run of last tokens that occurs earlier in the answer with the
+word it starts in, and a line so far that an earlier line begins with. So a printer that shows
 `text[:shown]` as it grows never shows what is cut, and at the end shows the rest of `text`.
 """
 
@@ -132,9 +133,11 @@ class AnswerWatch:
                 finished = lines[-2].strip()
                 if finished and finished in {line.strip() for line in lines[:-2]}:
                     return self.stop(start - len(lines[-2]) - 1, text)
-            safe = sentence_start(text, len(text))  # a repeat may yet start in it
-            if k:
-                safe = min(safe, self.start_of(text, k, j))
+            # a repeat may yet take the sentence being written back to its start, unless it is
+            # the answer's first: no earlier sentence for it to repeat
+            safe = sentence_start(text, len(text)) or len(text)
+            if k:  # nor the run of last tokens said before, from the word it starts in
+                safe = min(safe, text.rfind(" ", 0, self.start_of(text, k, j)) + 1)
             current = lines[-1].strip()
             if current and any(line.strip().startswith(current) for line in lines[:-1]):
                 safe = min(safe, start)
