@@ -62,7 +62,8 @@ def make_app(reader: Reader, worker: Worker, limits: Limits) -> Starlette:
         return HTMLResponse(page)
 
     async def health(request: Request) -> Response:
-        return JSONResponse({"status": "ok", "kept_reads": len(reader.kept)})
+        load = {"running": worker.running, "waiting": worker.jobs.qsize()}
+        return JSONResponse({"status": "ok", "kept_reads": len(reader.kept), **load})
 
     async def models(request: Request) -> Response:
         check_key(request, limits)

@@ -110,6 +110,7 @@ class Worker:
         after: Callable[[], object] = lambda: None,
     ) -> None:  # fmt: skip
         self.answer, self.after = answer, after
+        self.running = False  # whether a job is being answered now
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=waiting)
         self.thread = threading.Thread(target=self.loop, name="longkv-serve-worker", daemon=True)
         self.thread.start()
@@ -126,10 +127,12 @@ class Worker:
         while (job := self.jobs.get()) is not None:
             if job.cancel.is_set():  # its client left while it waited
                 continue
+            self.running = True
             try:
                 job.done(self.answer(job))
             except Exception as err:  # the job's own failure, told to its client
                 job.done(err)
+            self.running = False
             self.after()
 
     def stop(self) -> None:
