@@ -115,12 +115,12 @@ async def body_of(request: Request, model: type[Sampling], limits: Limits) -> An
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limits.body_bytes:
         raise too_big
-    body = b""
+    body = bytearray()
     async for piece in request.stream():
         body += piece
         if len(body) > limits.body_bytes:
             raise too_big
-    req = parse(body, model)
+    req = parse(bytes(body), model)
     if req.model != limits.model:
         raise ApiError(404, f"model {req.model!r} is not served here; it serves {limits.model!r}",
                        "model", "model_not_found")  # fmt: skip
