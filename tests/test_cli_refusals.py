@@ -96,6 +96,8 @@ def argv_of(command: str, model: Path, tmp: Path, budget: int) -> tuple[list[str
         (tmp / "doc.txt").write_text("A short document.")
         args = ["--file", str(tmp / "doc.txt"), "--question", "What?", "--method", "streaming"]
         return ["ask", "--model", str(model), *args, *bounded[:4]], "--method"
+    if command == "serve":  # refused at start, before it listens
+        return ["serve", "--model", str(model), "--method", "streaming", *bounded[:4]], "--method"
     # longer than the budget, which would otherwise hold every token and be refused for that
     needles = ["--tasks", "passkey", "--lengths", str(max(200, 2 * budget)), "--depths", "0.5"]
     if command == "fold":
@@ -107,7 +109,7 @@ def argv_of(command: str, model: Path, tmp: Path, budget: int) -> tuple[list[str
     return [command, "--model", str(model), *args, *bounded], "--methods"
 
 
-@pytest.mark.parametrize("command", ["fold", "niah", "bounded", "ask"])
+@pytest.mark.parametrize("command", ["fold", "niah", "bounded", "ask", "serve"])
 @pytest.mark.parametrize("refusal", list(REFUSALS))
 def test_each_command_reports_each_refusal_under_its_own_option(
     command: str, refusal: str, models: dict[str, Path], tmp_path: Path,
@@ -116,7 +118,7 @@ def test_each_command_reports_each_refusal_under_its_own_option(
     budget = 1024 if refusal == "budget" else 64
     argv, option = argv_of(command, models[refusal], tmp_path, budget)
     if refusal == "budget":
-        option = "--budget" if command == "ask" else "--budgets"  # ask takes one, singular
+        option = "--budget" if command in ("ask", "serve") else "--budgets"  # one, singular
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert f"error: argument {option}: " in err, err

@@ -46,7 +46,7 @@ class ServeOptions(DocumentOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require(0 <= self.port < 65536, self, "port", f"must be 0-65535, got {self.port}")
+        require(0 < self.port < 65536, self, "port", f"must be 1-65535, got {self.port}")
         for name in ("max_tokens", "queue", "kept_mib", "body_mib"):
             require_at_least(1, self, name)
 
@@ -82,6 +82,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         chosen.check_positions(config, positions, m.allow_extrapolation)
         return chosen.read_settings(model, m.allow_extrapolation)
 
+    settings_for(1)  # the options refused now, not at each request
     store = None if o.store is None else Store(o.store, model, tokenizer)
     reader = Reader(model, tokenizer, settings_for, KeptReads(o.kept_mib << 20), store)
     worker = Worker(reader, o.queue, reader.save_kept)
