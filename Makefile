@@ -22,7 +22,7 @@ lint: setup
 	$(BIN)/ruff format --check src tests
 
 test: lint
-	@echo "the whole suite: about 9 minutes on 2 cores"
+	@echo "the whole suite: about 11 minutes on 2 cores"
 	$(BIN)/pytest -q
 
 FAST := tests/test_kvm_reference.py tests/test_routed.py tests/test_fold.py tests/test_checks.py \
