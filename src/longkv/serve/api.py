@@ -8,8 +8,6 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.responses import JSONResponse
 
-ROLES = ("system", "developer", "user", "assistant")
-
 
 class ApiError(Exception):
     """An error answered as OpenAI answers one: {"error": {message, type, param, code}}."""
@@ -23,6 +21,7 @@ class ApiError(Exception):
         self.headers = headers
 
     def response(self) -> JSONResponse:
+        """The error as the response OpenAI's clients read."""
         kind = {401: "authentication_error", 404: "not_found_error", 500: "server_error",
                 503: "server_error"}  # fmt: skip
         error = {
@@ -40,6 +39,8 @@ class TextPart(BaseModel):
 
 
 class Message(BaseModel):
+    """A chat message: its role and its content (a text, or text parts)."""
+
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant"]
@@ -53,6 +54,8 @@ class Message(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    """Whether a stream ends with a chunk of usage."""
+
     include_usage: bool = False
 
 
@@ -73,6 +76,7 @@ class Sampling(BaseModel):
     stop: str | list[str] | None = None
 
     def include_usage(self) -> bool:
+        """Whether a stream ends with a chunk of usage."""
         return self.stream_options is not None and self.stream_options.include_usage
 
 
@@ -85,6 +89,7 @@ class ChatRequest(Sampling):
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
     def asked_tokens(self) -> int | None:
+        """The answer tokens the request asks at most (None: not said)."""
         return self.max_completion_tokens or self.max_tokens
 
 
@@ -93,6 +98,7 @@ class CompletionRequest(Sampling):
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
 
     def text(self) -> str:
+        """The one prompt of the request."""
         if isinstance(self.prompt, str):
             return self.prompt
         if len(self.prompt) != 1:
@@ -100,6 +106,7 @@ class CompletionRequest(Sampling):
         return self.prompt[0]
 
     def asked_tokens(self) -> int | None:
+        """The answer tokens the request asks at most."""
         return self.max_tokens
 
 
