@@ -121,6 +121,17 @@ def test_a_read_extended_answers_as_a_read_of_the_whole(
     assert answers(part, QUESTIONS[:2]) == before  # the read extended is left as it was
 
 
+@pytest.mark.parametrize("method", ["fold", "quest"])
+def test_a_read_extended_past_the_models_positions_is_refused(
+    model_and_tokenizer: tuple[Any, Any], method: str
+) -> None:
+    model, tokenizer = model_and_tokenizer  # 4096 positions; quest keeps them exact
+    doc = read(model, tokenizer, TEXT, method, config=method_config(method), progress=False,
+               **CHUNKS)  # fmt: skip
+    with pytest.raises((SettingError, ValueError), match="4096"):
+        doc.extend([13] * (4096 - doc.tokens + 1))
+
+
 @pytest.mark.parametrize(
     "method", ["fold", "streaming", "snapkv", "two-level/exact", "two-level/int8",
                "two-level/file", "quest", "infllm"],

@@ -272,36 +272,17 @@ class Document:
 
     def extend(self, ids: list[int], progress: bool = False) -> Document:
         """The read continued by more of the prompt (token ids after the document's), as a
-        new Document; this one is left as it was. A bounded read takes the new tokens in whole
-        chunks of `stream_chunk` and leaves the rest pending, as `read` does, so the extended
-        read is a fresh read's of document and ids."""
-        s = self.settings
-        ids = self.pending + [int(t) for t in ids]
-        runner = fork(self.runner)
+        new Document; this one is left as it was. It reads as `read` does (`read_on`), so the
+        extended read is a fresh read's of document and ids."""
         start = time.perf_counter()
-        if isinstance(runner, FoldRunner):
-            if ids:
-                tensor = torch.tensor([ids], device=self.device())
-                chunk = len(ids) if s.method == "full" else s.chunk_size
-                fold = kv_fold(
-                    self.model, tensor, chunk, cache=runner.cache, score=False,
-                    allow_extrapolation=s.allow_extrapolation, progress=progress,
-                )  # fmt: skip
-                runner = FoldRunner(self.model, fold.cache, fold.next_position)
-            pending: list[int] = []
-        else:
-            whole = len(ids) // s.stream_chunk * s.stream_chunk
-            if whole:
-                tensor = torch.tensor([ids[:whole]], device=self.device())
-                bounded_fold(
-                    runner, tensor, s.stream_chunk, score=False, progress=progress, desc=s.label
-                )
-            pending = ids[whole:]
-        seconds = time.perf_counter() - start
-        tokens = self.tokens + len(ids) - len(self.pending)
+        ids = self.pending + [int(t) for t in ids]
+        before = self.tokens - len(self.pending)
+        runner, pending = read_on(
+            self.model, fork(self.runner), ids, self.settings, before, progress
+        )
         return Document(
-            self.model, self.tokenizer, s, runner, pending, tokens, self.read_seconds + seconds,
-            self.model_id,
+            self.model, self.tokenizer, self.settings, runner, pending, before + len(ids),
+            self.read_seconds + time.perf_counter() - start, self.model_id,
         )  # fmt: skip
 
     def device(self) -> torch.device:
@@ -353,30 +334,43 @@ def read_ids(
     model: nn.Module, tokenizer: Any, ids: list[int], s: ReadSettings, progress: bool = True
 ) -> Document:
     """`read` of the document part's token ids under settings s."""
-    T = len(ids)
-    tensor = torch.tensor([ids], device=model.get_input_embeddings().weight.device)
     start = time.perf_counter()
-    if s.config is None:  # kv_fold refuses positions the model lacks
-        chunk = T if s.method == "full" else s.chunk_size
+    fresh = None if s.config is None else make_runner(model, s.config)
+    runner, pending = read_on(model, fresh, ids, s, 0, progress)
+    return Document(model, tokenizer, s, runner, pending, len(ids), time.perf_counter() - start)
+
+
+def read_on(
+    model: nn.Module, runner: FoldRunner | BoundedRunner | None, ids: list[int],
+    s: ReadSettings, before: int, progress: bool,
+) -> tuple[FoldRunner | BoundedRunner, list[int]]:  # fmt: skip
+    """The runner (None: the fold's or full attention's, none read yet) after reading token ids
+    by settings s, past the `before` tokens it has read, and the ids it leaves pending: the fold
+    reads them all (refusing positions the model lacks); a bounded cache reads whole chunks of
+    `stream_chunk` (a retrieval cache at exact positions refused past the model's), each
+    question then reading the rest before its own, and keeps room for a fork's leaves."""
+    tensor = torch.tensor([ids], device=model.get_input_embeddings().weight.device)
+    if s.config is None:
+        if not ids:
+            assert runner is not None
+            return runner, []
+        chunk = len(ids) if s.method == "full" else s.chunk_size
         fold = kv_fold(
-            model, tensor, chunk, score=False, allow_extrapolation=s.allow_extrapolation,
-            progress=progress,
+            model, tensor, chunk, cache=None if runner is None else runner.cache, score=False,
+            allow_extrapolation=s.allow_extrapolation, progress=progress,
         )  # fmt: skip
-        runner: FoldRunner | BoundedRunner = FoldRunner(model, fold.cache, fold.next_position)
-        pending: list[int] = []
-    else:
-        runner = make_runner(model, s.config)
-        if isinstance(runner, RetrievalRunner) and not runner.inside:
-            check_exact_positions(model.config, T, f"the document ({s.label})")
-        whole = T // s.stream_chunk * s.stream_chunk
-        if whole:
-            bounded_fold(
-                runner, tensor[:, :whole], s.stream_chunk, score=False, progress=progress,
-                desc=s.label,
-            )  # fmt: skip
-        if isinstance(runner, RetrievalRunner):
-            for store in runner.leaves:
-                if store is not None:
-                    store.reserve(LEAF_ROOM)
-        pending = ids[whole:]
-    return Document(model, tokenizer, s, runner, pending, T, time.perf_counter() - start)
+        return FoldRunner(model, fold.cache, fold.next_position), []
+    assert isinstance(runner, BoundedRunner)
+    if isinstance(runner, RetrievalRunner) and not runner.inside:
+        check_exact_positions(model.config, before + len(ids), f"the document ({s.label})")
+    whole = len(ids) // s.stream_chunk * s.stream_chunk
+    if whole:
+        bounded_fold(
+            runner, tensor[:, :whole], s.stream_chunk, score=False, progress=progress,
+            desc=s.label,
+        )  # fmt: skip
+    if isinstance(runner, RetrievalRunner):
+        for store in runner.leaves:
+            if store is not None:
+                store.reserve(LEAF_ROOM)
+    return runner, ids[whole:]
