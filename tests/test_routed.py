@@ -13,18 +13,14 @@ from conftest import TOL
 from longkv.caches.leaves import Gathered, make_leaves
 from longkv.caches.naive import (
     block_units_naive,
-    fill_naive,
     routed_attention_naive,
     row_units_naive,
     top_units_naive,
 )
 from longkv.caches.routed import (
-    PREFIX,
     Part,
     attended_entries,
     block_units,
-    fill_prefix,
-    fill_units,
     grouped,
     query_units,
     routed_attention,
@@ -321,24 +317,3 @@ def test_query_units_is_each_heads_last_row_and_keeps_no_other() -> None:
     assert last.untyped_storage().nbytes() == last.numel() * last.element_size()
     one = torch.randn(B, HKV, 1, U, dtype=torch.float64)  # one row for every head and query
     assert torch.equal(query_units(one, G, L), one.expand(B, HKV, G, U).reshape(B, H, U))
-
-
-@pytest.mark.parametrize("seed", range(6))
-def test_the_partial_sort_fill_takes_what_the_greedy_written_out_takes(seed: int) -> None:
-    """Rows of 600 units (more than PREFIX), keys with many ties and -inf, sizes 1-20, budgets
-    that end inside and past the partial sort: every row as `fill_naive` takes it."""
-    g = torch.Generator().manual_seed(seed)
-    N, U = 40, 600
-    assert U > PREFIX
-    key = torch.randint(0, 50 if seed % 2 else 100000, (N, U), generator=g).double()
-    key[torch.rand(N, U, generator=g) < 0.2] = float("-inf")
-    count = torch.randint(1, 21, (N, U), generator=g).double()
-    count[: N // 2] = torch.randint(1, 3, (N // 2, U), generator=g).double()  # small units
-    paths = set()
-    for budget in (1, 37, 300, 1024, 4000):
-        got = fill_units(key, count, budget)
-        for r in range(N):
-            want = fill_naive(key[r].tolist(), count[r].tolist(), budget, None)
-            assert got[r].nonzero()[:, 0].tolist() == sorted(want), (budget, r)
-        paths.update(fill_prefix(key, count, budget)[2].tolist())
-    assert paths == {True, False}  # rows of both paths: the partial sort's and the full order's

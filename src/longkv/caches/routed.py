@@ -58,74 +58,11 @@ def fill_units(
     """(..., U) bool: units taken in descending order of key (..., U) (the earlier unit on
     ties) while their leaves, count (..., U), fit leaf_budget: a unit that does not fit what the
     units taken before it leave is skipped and the next ones are still tried (None: no bound);
-    at most `most` of them (None: no bound).
-
-    Without a bound on the units, with every unit of at least one leaf: the first units in
-    order, up to the first that does not fit, come from a partial sort (`topk`) where that one
-    is among its first PREFIX and no two keys tie before it (`fill_prefix`); the rest of those
-    rows then take, one unit a pass, the best unit left that fits the room left (`fill_rest`:
-    fewer passes than the room's leaves). The other rows are filled in a full order
-    (`fill_sorted`)."""
+    at most `most` of them (None: no bound)."""
     if (leaf_budget is None or bool((count.sum(-1) <= leaf_budget).all())) and (
         most is None or most >= key.shape[-1]
     ):  # every unit fits: no order to take them in
         return torch.ones_like(key, dtype=torch.bool)
-    if leaf_budget is None or (most is not None and most < key.shape[-1]):
-        return fill_sorted(key, count, leaf_budget, most)
-    if not bool((count >= 1).all()):
-        return fill_sorted(key, count, leaf_budget, None)
-    U = key.shape[-1]
-    key2, count2 = key.reshape(-1, U), count.expand_as(key).reshape(-1, U)
-    taken, room, settled = fill_prefix(key2, count2, leaf_budget)
-    if not bool(settled.all()):
-        rows = (~settled).nonzero()[:, 0]
-        taken[rows] = fill_sorted(key2[rows], count2[rows], leaf_budget, None)
-        room[rows] = 0
-    return fill_rest(key2, count2, taken, room).view(key.shape)
-
-
-# units a partial sort orders first (`fill_units`): a row whose first unit past the budget is
-# later, or whose keys tie before it, is filled in a full order
-PREFIX = 384
-
-
-def fill_prefix(key: Tensor, count: Tensor, leaf_budget: int) -> tuple[Tensor, Tensor, Tensor]:
-    """For rows (N, U) of keys and counts (each >= 1): the units in key order before the first
-    that does not fit leaf_budget (N, U) bool, the room they leave (N,), and whether that is
-    settled by the PREFIX best keys with none of them tied before it (N,) bool."""
-    k = min(PREFIX, key.shape[-1])
-    top, index = key.topk(k, dim=-1)  # best first; ties in no set order
-    total = count.gather(-1, index).cumsum(-1)
-    first = (total <= leaf_budget).sum(-1)  # the units that fit, in order (sizes are >= 1)
-    tie = (top[:, 1:] == top[:, :-1]) & (torch.arange(k - 1, device=key.device) < first[:, None])
-    settled = (first < k) & ~tie.any(-1)
-    inside = torch.arange(k, device=key.device) < first[:, None]
-    taken = torch.zeros_like(key, dtype=torch.bool).scatter(-1, index, inside)
-    used = total.gather(-1, (first - 1).clamp_min(0)[:, None])[:, 0] * (first > 0)
-    return taken, leaf_budget - used, settled
-
-
-def fill_rest(key: Tensor, count: Tensor, taken: Tensor, room: Tensor) -> Tensor:
-    """taken (N, U) with, row by row, the best unit not taken (the earlier on ties) whose count
-    fits the room left (N,), until none does: the greedy fill after its first units."""
-    low = torch.finfo(key.dtype).min  # an -inf key stays after every finite one, before none
-    ranked = key.clamp_min(low)
-    rows = torch.arange(key.shape[0], device=key.device)
-    while rows.numel():
-        fits = ~taken[rows] & (count[rows] <= room[rows, None])
-        best = ranked[rows].masked_fill(~fits, float("-inf")).argmax(-1)
-        took = fits.gather(-1, best[:, None])[:, 0]
-        rows, best = rows[took], best[took]
-        taken[rows, best] = True
-        room[rows] -= count[rows, best]
-    return taken
-
-
-def fill_sorted(
-    key: Tensor, count: Tensor, leaf_budget: int | None, most: int | None
-) -> Tensor:  # fmt: skip
-    """`fill_units` in a full order of the units: each pass settles every row up to its first
-    unit past the budget."""
     order = key.argsort(dim=-1, descending=True, stable=True)
     size = count.gather(-1, order)  # the units' leaves in that order
     taken = torch.ones_like(size, dtype=torch.bool)
