@@ -9,7 +9,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +24,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from conftest import over_tokenizer, tiny_hf_config
+from longkv.bench.serve import free_port
 from longkv.document import read
 from longkv.models.pretrained import load_pretrained
 from longkv.serve.prompt import chat_parts, text_parts
@@ -53,12 +53,6 @@ def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     LlamaForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

@@ -71,6 +71,7 @@ class ServeBenchSettings:
 
 
 def free_port() -> int:
+    """A port of 127.0.0.1 that no one listens on now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -208,12 +208,13 @@ async def respond(
     def put(kind: str) -> Callable[[Any], object]:
         return lambda item: loop.call_soon_threadsafe(events.put_nowait, (kind, item))
 
-    chat = kind == "chat.completion"  # a chat answer stops where it repeats; a completion runs on
-    job = Job(context, rest, max_tokens, pick_of(req), chat, put("text"), put("done"))
+    positions = len(context) + len(rest) + max_tokens - 1  # the last answer token is not read
     try:  # before the queue: a prompt the method cannot read
-        reader.settings_for(job.positions())
+        settings = reader.settings_for(positions)
     except SettingError as err:
         raise ApiError(400, str(err), None, "context_length_exceeded") from None
+    chat = kind == "chat.completion"  # a chat answer stops where it repeats; a completion runs on
+    job = Job(settings, context, rest, max_tokens, pick_of(req), chat, put("text"), put("done"))
     if not worker.submit(job):
         raise ApiError(503, "the server's queue is full; try again later", None, None,
                        {"Retry-After": str(limits.retry_after)})  # fmt: skip

@@ -20,12 +20,14 @@ from longkv.serve.store import Store
 
 @dataclass
 class Job:
-    """A request for the model: the context to read (or find kept) and the rest of the prompt,
-    answered in at most max_tokens tokens chosen by pick, stopped where it starts to repeat
-    itself with stop_at_repeat (`Document.answer`); emit sees the answer's text in pieces as
-    they come (from the worker's thread); cancel stops it (before it starts, or after any
-    token); done sees its `Outcome`, or the exception it raised."""
+    """A request for the model: the settings it is read by (`Reader.settings_for` of its
+    positions), the context to read (or find kept) and the rest of the prompt, answered in at
+    most max_tokens tokens chosen by pick, stopped where it starts to repeat itself with
+    stop_at_repeat (`Document.answer`); emit sees the answer's text in pieces as they come (from
+    the worker's thread); cancel stops it (before it starts, or after any token); done sees its
+    `Outcome`, or the exception it raised."""
 
+    settings: ReadSettings
     context: list[int]
     rest: list[int]
     max_tokens: int
@@ -34,10 +36,6 @@ class Job:
     emit: Callable[[str], object]
     done: Callable[[Outcome | BaseException], object]
     cancel: threading.Event = field(default_factory=threading.Event)
-
-    def positions(self) -> int:
-        """Positions its read and answer take (the last answer token is never read)."""
-        return len(self.context) + len(self.rest) + self.max_tokens - 1
 
 
 @dataclass
@@ -55,10 +53,11 @@ class Outcome:
 
 
 class Reader:
-    """A model that answers jobs from kept reads: a job's context is read by the settings
-    settings_for gives its positions (refusing, with a SettingError, what the model cannot
-    read), continuing the longest kept read it begins with (`Document.extend`), and kept; with
-    a store, the reads kept are saved after their answers (`save_kept`) and dropped with them."""
+    """A model that answers jobs from kept reads: settings_for gives the settings a job of so
+    many positions is read by (refusing, with a SettingError, what the model cannot read); a
+    job's context is read by them, continuing the longest kept read it begins with
+    (`Document.extend`), and kept; with a store, the reads kept are saved after their answers
+    (`save_kept`) and dropped with them."""
 
     def __init__(
         self, model: nn.Module, tokenizer: Any, settings_for: Callable[[int], ReadSettings],
@@ -73,7 +72,7 @@ class Reader:
                 kept.keep(*key, doc)
 
     def __call__(self, job: Job) -> Outcome:
-        s = self.settings_for(job.positions())
+        s = job.settings
         doc, cached = self.kept.find(s.label, job.context)
         if doc is None:
             doc = read_ids(self.model, self.tokenizer, job.context, s, progress=False)
