@@ -229,7 +229,7 @@ class Document:
         require(bool(ids), None, "ids", "is empty: a continuation has at least one token")
         require(max_new_tokens >= 1, None, "max_new_tokens", f"must be >= 1, got {max_new_tokens}")
         s, tok = self.settings, self.tokenizer
-        tensor = torch.tensor([self.pending + list(ids)], device=self.device())
+        tensor = torch.tensor([self.pending + list(ids)], device=input_device(self.model))
         eos = getattr(tok, "eos_token_id", None)
         start = time.perf_counter()
         first: list[float] = []
@@ -285,9 +285,10 @@ class Document:
             self.read_seconds + time.perf_counter() - start, self.model_id,
         )  # fmt: skip
 
-    def device(self) -> torch.device:
-        """Where the read's token ids go: the model's input embedding's device."""
-        return self.model.get_input_embeddings().weight.device
+
+def input_device(model: nn.Module) -> torch.device:
+    """Where a model's token ids go: its input embedding's device."""
+    return model.get_input_embeddings().weight.device
 
 
 def check_document(text: str) -> None:
@@ -349,7 +350,7 @@ def read_on(
     reads them all (refusing positions the model lacks); a bounded cache reads whole chunks of
     `stream_chunk` (a retrieval cache at exact positions refused past the model's), each
     question then reading the rest before its own, and keeps room for a fork's leaves."""
-    tensor = torch.tensor([ids], device=model.get_input_embeddings().weight.device)
+    tensor = torch.tensor([ids], device=input_device(model))
     if s.config is None:
         if not ids:
             assert runner is not None

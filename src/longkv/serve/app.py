@@ -131,7 +131,7 @@ def refused(split: Callable[..., tuple[list[int], list[int]]], *args: Any) -> An
     """The prompt's parts, a refusal of it as a 400."""
     try:
         return split(*args)
-    except (SettingError, ValueError) as err:
+    except ValueError as err:  # a SettingError among them
         raise ApiError(400, str(err)) from None
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from torch import nn
 
-from longkv.document.read import Document
+from longkv.document.read import Document, input_device
 from longkv.document.save import SavedReadError, dtype_name, fsync_path, load
 from longkv.serve.kept import Key
 
@@ -69,7 +69,7 @@ class Store:
             try:
                 data = json.loads(path.read_text())
                 key: Key = (str(data["label"]), tuple(int(t) for t in data["ids"]))
-                doc = load(read, self.model, self.tokenizer, device=self.device())
+                doc = load(read, self.model, self.tokenizer, device=input_device(self.model))
             except (SavedReadError, ValueError, KeyError, TypeError, OSError) as err:
                 print(f"dropped the kept read {read.name}: {err}", file=sys.stderr)
                 continue
@@ -83,6 +83,3 @@ class Store:
                 else:
                     path.unlink(missing_ok=True)
         return [(key, doc) for _, key, doc in sorted(found, key=lambda f: f[0])]
-
-    def device(self) -> Any:
-        return self.model.get_input_embeddings().weight.device
