@@ -33,6 +33,7 @@ from longkv.dtypes import DTYPES
 from longkv.evals.niah import TASKS, answer_span
 from longkv.evals.niah_records import grid_cells
 from longkv.evals.niah_run import build_samples
+from longkv.fold.compat import input_device
 from longkv.fold.fold import FOLD_CHUNK
 from longkv.results import (
     OUT_DIR,
@@ -139,7 +140,7 @@ def run(
         n for n in s.lengths if s.text_queries and any(f"text/{n}/{x}" not in parts for x in labels)
     ]
     bar = tqdm(total=len(cells) + len(texts), desc="routing", unit="input")
-    device = model.get_input_embeddings().weight.device
+    device = input_device(model)
 
     def measure(
         prefix: str, ids: torch.Tensor, tokens: list[int], span: tuple[int, int] | None

@@ -15,6 +15,7 @@ from transformers import PreTrainedConfig
 from longkv.checks import refused_as, require, setting
 from longkv.data.corpus import text_tokens
 from longkv.dtypes import DTYPES
+from longkv.fold.compat import input_device
 from longkv.fold.fold import CLI_SWITCH, check_positions
 from longkv.models.pretrained import (
     DEFAULT_MODEL,
@@ -95,11 +96,6 @@ def niah_records_setting() -> Any:
         "such as the fold at another chunk size, answers again); their commands are listed on "
         "the page (none by default)",
     )
-
-
-def input_device(model: torch.nn.Module) -> torch.device:
-    """Where token ids go: the device of the input embedding."""
-    return model.get_input_embeddings().weight.device
 
 
 def require_positions(

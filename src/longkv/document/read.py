@@ -46,6 +46,7 @@ from longkv.checks import require
 from longkv.decoding import Pick, greedy
 from longkv.document.prompt import document_ids, question_ids
 from longkv.document.repeat import AnswerWatch
+from longkv.fold.compat import input_device
 from longkv.fold.fold import FOLD_CHUNK, FoldRunner, kv_fold
 from longkv.fold.generate import fold_generate
 
@@ -284,11 +285,6 @@ class Document:
             self.model, self.tokenizer, self.settings, runner, pending, before + len(ids),
             self.read_seconds + time.perf_counter() - start, self.model_id,
         )  # fmt: skip
-
-
-def input_device(model: nn.Module) -> torch.device:
-    """Where a model's token ids go: its input embedding's device."""
-    return model.get_input_embeddings().weight.device
 
 
 def check_document(text: str) -> None:

@@ -27,6 +27,7 @@ from longkv.checks import refuse, refused_as
 from longkv.evals.niah import ANSWER_BUDGET, NiahSample, answer_span, make_sample, sample_score
 from longkv.evals.niah_records import EXACT, NiahRecord, NiahRun, NiahSettings
 from longkv.evals.niah_resume import saved_records
+from longkv.fold.compat import input_device
 from longkv.fold.fold import CLI_SWITCH, check_foldable, check_positions
 from longkv.fold.variants import check_variant, inserted_positions
 
@@ -107,7 +108,7 @@ def run_niah(
     reused = f", {len(done)} of {len(keys)} answers reused" if done else ""
     progress = tqdm(total=sum(map(len, todo.values())), desc=f"niah{reused}", unit="answer")
     for (task, n, d, seed), sample in samples.items():
-        ids = torch.tensor([sample.input_ids], device=model.get_input_embeddings().weight.device)
+        ids = torch.tensor([sample.input_ids], device=input_device(model))
         span = answer_span(tokenizer, sample)
         for method in todo[(task, n, d, seed)]:
             t0 = time.perf_counter()

@@ -60,6 +60,11 @@ def host(model: nn.Module) -> Host:
     return found
 
 
+def input_device(model: nn.Module) -> torch.device:
+    """Where a model's token ids go: its input embedding's device."""
+    return model.get_input_embeddings().weight.device
+
+
 def new_cache(model: nn.Module, offload: bool = False) -> Cache:
     """An empty cache laid out for the model (sliding-window layers keep their own window).
 

@@ -22,8 +22,9 @@ from typing import Any
 
 from torch import nn
 
-from longkv.document.read import Document, input_device
+from longkv.document.read import Document
 from longkv.document.save import SavedReadError, dtype_name, fsync_path, load
+from longkv.fold.compat import input_device
 from longkv.serve.kept import Key
 
 KEY_SUFFIX = ".json"
