@@ -110,7 +110,7 @@ def test_peak_memory_counts_what_the_call_keeps_when_the_resident_set_does_not_r
     def allocate() -> None:
         kept.append(torch.ones(4_000_000))  # 16 MB, kept
 
-    monkeypatch.setattr(memory, "_status_bytes", lambda key: 2**30)  # resident: flat
+    monkeypatch.setattr(memory, "status_bytes", lambda key: 2**30)  # resident: flat
     _, peak = peak_memory(allocate, torch.device("cpu"))
     assert peak is not None and 15e6 < peak < 20e6
     monkeypatch.setattr(memory, "_live_heap_bytes", lambda: None)  # no mallinfo2: resident only

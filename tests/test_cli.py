@@ -233,6 +233,7 @@ def test_results_go_to_the_untracked_folder_by_default() -> None:
     assert {name for name, _ in defaults} == {
         "niah", "fold", "drift", "bench kvm", "bench train", "compare-runs", "study", "bounded",
         "eval", "bench document", "bench qa", "bench readme", "bench routing", "bench serve",
+        "bench anchor",
     }  # fmt: skip
     assert all(default == OUT_DIR for _, default in defaults), defaults
 

@@ -22,14 +22,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import torch
-
 OUT_DIR = "out"  # where the commands write results by default
 OUT_DIR_HELP = "folder for the result files; results/ holds the committed pages"
 
 
 def provenance(argv: list[str] | None) -> dict[str, Any]:
     """Command, commit and machine, recorded next to every result."""
+    import torch  # here, so that a benchmark's worker without torch may import this module
+
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True

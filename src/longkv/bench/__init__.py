@@ -1,10 +1,12 @@
-"""Benchmarks: scripts that measure speed and memory and print ratios from one run."""
+"""Benchmarks: scripts that measure speed and memory and print ratios from one run.
+
+Importing the package imports no torch: a benchmark's worker process that runs another engine
+(`anchor_llamacpp`) holds none of torch's memory.
+"""
 
 from __future__ import annotations
 
 from typing import Any
-
-import torch
 
 from longkv.checks import require, setting
 from longkv.results import markdown_table
@@ -26,6 +28,8 @@ def check_threads(owner: object) -> None:
 def use_threads(threads: int | None) -> None:
     """Run torch on `threads` threads (None: leave torch's count)."""
     if threads is not None:
+        import torch  # here: importing the package imports no torch (above)
+
         torch.set_num_threads(threads)
 
 

@@ -18,16 +18,10 @@ from typing import TypeVar
 
 import torch
 
+from longkv.bench.process import status_bytes
+
 R = TypeVar("R")
-_STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
-
-
-def _status_bytes(key: str) -> int:
-    for line in _STATUS.read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{key} missing from {_STATUS}")
 
 
 @functools.cache
@@ -118,7 +112,7 @@ def cpu_peak_supported() -> bool:
     """Linux lets a process reset its RSS high-water mark (clear_refs value 5)."""
     try:
         _CLEAR_REFS.write_text("5")
-        _status_bytes("VmHWM")
+        status_bytes("VmHWM")
     except (OSError, RuntimeError):
         return False
     return True
@@ -180,10 +174,10 @@ def peak_memory(fn: Callable[[], R], device: torch.device) -> tuple[R, int | Non
         trimmer.start()
         _release_free_heap()
         _CLEAR_REFS.write_text("5")
-        before = _status_bytes("VmRSS")
+        before = status_bytes("VmRSS")
         result = fn()
         live.sample()
-        return result, max(0, _status_bytes("VmHWM") - before, live.rise)
+        return result, max(0, status_bytes("VmHWM") - before, live.rise)
     finally:
         done.set()
         if trimmer is not None and trimmer.is_alive():

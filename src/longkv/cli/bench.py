@@ -1,5 +1,5 @@
-"""`longkv bench kvm`, `train`, `document`, `qa`, `readme`, `routing` and `serve`: options
-from their settings dataclasses."""
+"""`longkv bench kvm`, `train`, `document`, `qa`, `readme`, `routing`, `serve` and `anchor`:
+options from their settings dataclasses."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from longkv.bench import anchor as bench_anchor
+from longkv.bench import anchor_page, kvm_page
 from longkv.bench import document as bench_document
 from longkv.bench import kvm as bench_kvm
-from longkv.bench import kvm_page
 from longkv.bench import qa as bench_qa
 from longkv.bench import readme as bench_readme
 from longkv.bench import routing as bench_routing
@@ -39,6 +40,8 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
          "the share of full attention's mass each bounded cache attends exactly, by length"),
         ("serve", bench_serve, bench_serve.ServeBenchSettings, _run_bench_serve,
          "longkv serve over HTTP: a second question's first token, requests per minute"),
+        ("anchor", bench_anchor, bench_anchor.AnchorSettings, _run_bench_anchor,
+         "longkv's reads against llama.cpp's on the same ids: seconds, peak memory, agreement"),
     ):  # fmt: skip
         sub = benches.add_parser(
             bench, help=help_text, description=module.__doc__, formatter_class=HelpFormatter
@@ -47,7 +50,7 @@ def configure(name: str, parser: argparse.ArgumentParser) -> None:
         kept = "the finished measurements are beside the page (.partial.json)"
         command(
             sub, run, *((LoadOptions,) if loads else ()), settings,
-            kept=kept if bench == "routing" else None,
+            kept=kept if bench in ("routing", "anchor") else None,
         )  # fmt: skip
 
 
@@ -127,5 +130,18 @@ def _run_bench_serve(args: argparse.Namespace, argv: list[str]) -> int:
     own_page(settings)
     report = bench_serve.run(settings, argv)
     paths = bench_serve.write_page(report, settings)
+    print(paths[1].read_text())
+    return 0
+
+
+def _run_bench_anchor(args: argparse.Namespace, argv: list[str]) -> int:
+    s = args.settings[bench_anchor.AnchorSettings]
+    settings = bench_anchor.page_settings(s)
+    stem = Path(s.out_dir) / s.name
+    require_own_page(stem.with_suffix(".json"), settings, s)
+    report = bench_anchor.run(s, settings)
+    payload = {"provenance": provenance(argv), "settings": settings, **report}
+    paths = anchor_page.write_page(report, s, payload)
+    stem.with_suffix(".partial.json").unlink(missing_ok=True)
     print(paths[1].read_text())
     return 0

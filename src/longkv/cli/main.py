@@ -55,7 +55,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": (
         "longkv.cli.bench",
         "benchmarks: bench kvm, train, document, qa, readme, routing (recall of retrieval caches), "
-        "serve (longkv serve over HTTP)",
+        "serve (longkv serve over HTTP), anchor (longkv against llama.cpp)",
     ),
     "models": (
         "longkv.cli.models",
