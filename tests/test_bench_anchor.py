@@ -42,9 +42,9 @@ def spec(model: str, method: str, ids: list[int], **changes: Any) -> dict[str, A
     return {**anchor.worker_spec(s, method, ids, True), **changes}
 
 
-@pytest.mark.parametrize("method", ["fold", "full"])
+@pytest.mark.parametrize(("method", "width"), [("fold", 4), ("full", 4), ("fold/fp32", 4)])
 def test_the_longkv_worker_reads_continues_and_scores_as_the_library_does(
-    tiny_model: str, method: str
+    tiny_model: str, method: str, width: int
 ) -> None:
     model, tokenizer = load_pretrained(tiny_model)
     ids = text_tokens(tokenizer, 200, "mobydick.txt.gz")
@@ -56,12 +56,23 @@ def test_the_longkv_worker_reads_continues_and_scores_as_the_library_does(
     assert got["continuation"] == [t for t in want[0].tolist() if t != tokenizer.eos_token_id]
     assert got["nll"] == pytest.approx(float(nll), abs=1e-5)
     # the read holds keys and values of every id but the last: 1 layer, 1 KV head, head 8
-    assert got["cache_bytes"] == 2 * 199 * 8 * 4
+    assert got["cache_bytes"] == 2 * 199 * 8 * width
     held = [*model.parameters(), *model.buffers()]  # buffers: RoPE's inverse frequencies
     assert got["weight_bytes"] == sum(t.numel() * t.element_size() for t in held)
     stages = got["stages"]
     assert list(stages) == ["start", "imports", "loaded", "read", "decoded"]
     assert got["peak_bytes"] == stages["decoded"]["peak"] >= stages["read"]["rss"]
+
+
+def test_the_longkv_worker_packs_the_folds_cache_in_16_bits(tiny_model: str) -> None:
+    model, tokenizer = load_pretrained(tiny_model)
+    ids = text_tokens(tokenizer, 200, "mobydick.txt.gz")
+    got = anchor_longkv.run(spec(tiny_model, "fold/fp16", ids))
+    assert got["cache_bytes"] == 2 * 199 * 8 * 2  # storage for the ids read, no more
+    with torch.inference_mode():
+        nll = kv_fold(model, torch.tensor([ids]), 1024, cache_dtype=torch.float16).nll
+    assert got["nll"] == pytest.approx(float(nll[0, -40:].double().mean()), abs=1e-6)
+    assert "fold/fp16" in got["engine"]
 
 
 def test_the_longkv_worker_reads_streaming_at_its_budget(tiny_model: str) -> None:

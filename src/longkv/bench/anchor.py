@@ -26,7 +26,9 @@ from longkv.checks import require, require_at_least, require_known, setting
 from longkv.results import OUT_DIR, OUT_DIR_HELP, load_partial, save_partial
 
 LLAMA_CPP = "llama.cpp"
-METHODS = (LLAMA_CPP, "full", "fold", "streaming", "two-level")
+# longkv's full and fold reads may keep their cache packed in a dtype (`ReadSettings.cache_dtype`)
+PACKED = tuple(f"{m}/{d}" for m in ("full", "fold") for d in ("fp32", "fp16", "bf16"))
+METHODS = (LLAMA_CPP, "full", "fold", "streaming", "two-level", *PACKED)
 WORKERS = {LLAMA_CPP: "longkv.bench.anchor_llamacpp"}  # the rest: anchor_longkv
 LONGKV_WORKER = "longkv.bench.anchor_longkv"
 INSTALL = "pip install 'longkv[anchor]'"
@@ -50,7 +52,8 @@ class AnchorSettings:
     methods: tuple[str, ...] = setting(
         (LLAMA_CPP, "fold", "full"),
         "readers: llama.cpp (llama-cpp-python, flash attention, its f16 cache) or one of "
-        "longkv.read's methods at its own settings",
+        "longkv.read's methods at its own settings; full/DTYPE and fold/DTYPE keep the cache "
+        "packed in DTYPE (longkv.fold.packed)",
         choices=METHODS,
     )
     budget: int = setting(

@@ -40,14 +40,16 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     load_weights(model)
     stages["loaded"] = resident()
     ids: list[int] = spec["ids"]
+    method, _, dtype = spec["method"].partition("/")  # fold/fp16: the fold's cache packed
     config = None  # two-level reads with its default (TWO_LEVEL), 2048 entries
-    if spec["method"] == "streaming":
+    if method == "streaming":
         options = BoundedOptions(budgets=(spec["budget"],))
         ((_, config),) = options.bounded_configs(("streaming",)).items()
     with torch.inference_mode():
         doc = read(
-            model, tokenizer, ids[:-1], spec["method"], config=config, progress=False, chat=False
-        )
+            model, tokenizer, ids[:-1], method, config=config, progress=False, chat=False,
+            cache_dtype=dtype or None,
+        )  # fmt: skip
         stages["read"] = resident()
         answer = doc.answer(ids[-1:], spec["continue_tokens"], stop_at_repeat=False)
         stages["decoded"] = resident()
@@ -59,7 +61,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         "continuation": answer.tokens, "peak_bytes": stages["decoded"]["peak"],
         "stages": stages, "nll": nll, "cache_bytes": held_bytes(doc.runner),
         "weight_bytes": sum(t.numel() * t.element_size() for t in weights),
-        "engine": f"longkv {doc.settings.label} (torch {torch.__version__})",
+        "engine": f"longkv {doc.settings.label}{dtype and '/' + dtype} (torch {torch.__version__})",
     }  # fmt: skip
 
 
@@ -69,6 +71,7 @@ def tail_nll(doc: Any, ids: list[int], n: int) -> float:
     import torch
 
     from longkv.caches.methods import run_bounded
+    from longkv.dtypes import DTYPES
     from longkv.fold.compat import input_device
     from longkv.fold.fold import kv_fold
 
@@ -76,7 +79,8 @@ def tail_nll(doc: Any, ids: list[int], n: int) -> float:
     tensor = torch.tensor([ids], device=input_device(doc.model))
     if s.config is None:
         chunk = len(ids) if s.method == "full" else s.chunk_size
-        result = kv_fold(doc.model, tensor, chunk)
+        packed = None if s.cache_dtype is None else DTYPES[s.cache_dtype]
+        result = kv_fold(doc.model, tensor, chunk, cache_dtype=packed)
     else:
         result = run_bounded(doc.model, tensor, s.config, s.stream_chunk)
     return float(result.nll[0, -n:].double().mean())

@@ -46,6 +46,7 @@ from longkv.checks import require
 from longkv.decoding import Pick, greedy
 from longkv.document.prompt import document_ids, question_ids
 from longkv.document.repeat import AnswerWatch
+from longkv.dtypes import DTYPES
 from longkv.fold.compat import input_device
 from longkv.fold.fold import FOLD_CHUNK, FoldRunner, kv_fold
 from longkv.fold.generate import fold_generate
@@ -71,7 +72,9 @@ LEAF_ROOM = 1024
 class ReadSettings:
     """How a document is read: the method (`METHODS`) and its run label, the bounded config
     (None for full and fold), the fold's chunk, a bounded cache's chunk, whether the prompt
-    goes into the chat template, and whether positions past the model's may be run."""
+    goes into the chat template, whether positions past the model's may be run, and the
+    dtype (`DTYPES` name) full and fold reads keep keys and values in (`kv_fold`'s
+    cache_dtype; None: transformers' cache, in the model's dtype)."""
 
     method: str
     label: str
@@ -80,9 +83,18 @@ class ReadSettings:
     stream_chunk: int = STREAM_CHUNK
     chat: bool = True
     allow_extrapolation: bool = False
+    cache_dtype: str | None = None
 
     def __post_init__(self) -> None:
         require(self.method in CACHE_METHODS, self, "method", f"must be one of {METHODS}")
+        require(
+            self.cache_dtype is None or self.cache_dtype in DTYPES, self, "cache_dtype",
+            f"must be None or one of {sorted(DTYPES)}, got {self.cache_dtype!r}",
+        )  # fmt: skip
+        require(
+            self.cache_dtype is None or self.config is None, self, "cache_dtype",
+            f"{self.label} keeps its own entries; a cache dtype is for full and fold reads",
+        )  # fmt: skip
         require(
             (self.config is None) == (self.method not in BOUNDED), self, "config",
             f"{self.method} {'takes no' if self.method not in BOUNDED else 'needs a'} "
@@ -355,6 +367,7 @@ def read_on(
         fold = kv_fold(
             model, tensor, chunk, cache=None if runner is None else runner.cache, score=False,
             allow_extrapolation=s.allow_extrapolation, progress=progress,
+            cache_dtype=None if s.cache_dtype is None else DTYPES[s.cache_dtype],
         )  # fmt: skip
         return FoldRunner(model, fold.cache, fold.next_position), []
     assert isinstance(runner, BoundedRunner)

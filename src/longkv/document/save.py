@@ -179,7 +179,8 @@ class StatePickler(pickle.Pickler):
                 kept = kept_dtype(self.kv_dtype, held)
                 if t.numel() and float(t.abs().amax()) > torch.finfo(kept).max:
                     kept = held  # past the narrower dtype's range
-            if isinstance(obj, Rows) or kept != held:
+            if isinstance(obj, Rows) or kept != held or not t.is_contiguous():  # a packed
+                # layer's rows are a view of storage with room for more (`fold.packed`)
                 t = t.to(kept, memory_format=torch.contiguous_format, copy=True)
             self.tensors.append(t)
             kind = "rows" if isinstance(obj, Rows) else "tensor"

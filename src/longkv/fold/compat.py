@@ -18,8 +18,9 @@ import transformers
 from packaging.version import Version
 from torch import Tensor, nn
 from transformers import DynamicCache
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, DynamicLayer
 
+from longkv.fold.packed import PackedLayer
 from longkv.models import LongKVCache, LongKVForCausalLM
 
 TRANSFORMERS_VERSION = Version(transformers.__version__)
@@ -65,18 +66,37 @@ def input_device(model: nn.Module) -> torch.device:
     return model.get_input_embeddings().weight.device
 
 
-def new_cache(model: nn.Module, offload: bool = False) -> Cache:
+def new_cache(
+    model: nn.Module,
+    offload: bool = False,
+    packed: torch.dtype | None = None,
+    capacity: int = 0,
+) -> Cache:
     """An empty cache laid out for the model (sliding-window layers keep their own window).
 
     offload: keep each layer's keys and values in CPU memory between uses (accelerator only;
     not for a longkv model, whose states are rebuilt at every call).
+    packed: keep each full-attention layer's keys and values in storage of this dtype,
+    allocated for `capacity` tokens and written in place (`longkv.fold.packed`); None:
+    transformers' layers, which concatenate each forward's onto new tensors.
     """
     if host(model).keeps_kv:
-        return DynamicCache(config=model.config, offloading=offload)
-    if offload:
+        cache = DynamicCache(config=model.config, offloading=offload)
+        if packed is not None:
+            if offload:
+                raise ValueError(
+                    "cache_dtype: a packed cache is not offloaded; give one or the other"
+                )
+            cache.layers = [
+                PackedLayer(packed, capacity) if type(layer) is DynamicLayer else layer
+                for layer in cache.layers
+            ]
+        return cache
+    if offload or packed is not None:
+        what = "offload_cache" if offload else "cache_dtype"
         raise ValueError(
-            f"offload_cache: {type(model).__name__} carries a LongKVCache, which transformers' "
-            "offloading does not move; run without offloading"
+            f"{what}: {type(model).__name__} carries a LongKVCache of KVM states, which "
+            "transformers' offloading and longkv's packed layers do not hold; run without it"
         )
     return LongKVCache(model.config.n_layers)
 

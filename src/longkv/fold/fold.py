@@ -68,6 +68,8 @@ class FoldRunner:
     variant: a departure from the exact fold (`longkv.fold.variants`) that the runner makes:
     'restart' (positions taken mod chunk_size), or one that runs longkv's attention
     (`variant_hooks`); 'bos' is a prefix, inserted by `score_chunks`.
+    cache_dtype, capacity: a new cache's full-attention layers packed in this dtype, for this
+    many tokens (`compat.new_cache`; None: transformers' own layers).
     """
 
     KV_FIELDS: ClassVar[tuple[str, ...]] = ("cache",)  # keys and values (`BoundedRunner`'s)
@@ -80,12 +82,16 @@ class FoldRunner:
         offload: bool = False,
         variant: str = "exact",
         chunk_size: int | None = None,
+        cache_dtype: torch.dtype | None = None,
+        capacity: int = 0,
     ):
         check_variant(variant, model)
         if variant == "restart" and chunk_size is None:
             raise ValueError("chunk_size: the 'restart' variant restarts positions every chunk")
         self.model = model
-        self.cache = compat.new_cache(model, offload) if cache is None else cache
+        if cache is None:
+            cache = compat.new_cache(model, offload, cache_dtype, capacity)
+        self.cache = cache
         self.position = self.cache.get_seq_length() if position is None else position
         self.period = chunk_size if variant == "restart" else None
         self.hooks = variant_hooks(variant)
@@ -280,6 +286,7 @@ def kv_fold(
     reserve: int = 0,
     offload_cache: bool = False,
     variant: str = "exact",
+    cache_dtype: torch.dtype | None = None,
     progress: bool = False,
 ) -> FoldResult:
     """Fold `model` over input_ids (B, T) in chunks of chunk_size tokens.
@@ -295,6 +302,9 @@ def kv_fold(
     reserve: positions to keep within the model's limit after the input (for generation).
     offload_cache: keep the cache in CPU memory between layers, for contexts larger than the
     accelerator's memory (transformers' offloaded DynamicCache; the model must be on a GPU).
+    cache_dtype: a new cache's full-attention layers keep their keys and values in this dtype,
+    in storage allocated for the input and `reserve` (`longkv.fold.packed`; a dtype narrower
+    than the model's rounds them once); None: transformers' layers, in the model's dtype.
     """
     check_input(input_ids, chunk_size)
     if offload_cache and input_ids.device.type == "cpu":
@@ -313,7 +323,10 @@ def kv_fold(
         inserted += prefix_ids.numel() * -(-T // chunk_size)
     start = 0 if cache is None else cache.get_seq_length()
     check_foldable(model, start + T + inserted + reserve, allow_extrapolation=allow_extrapolation)
-    runner = FoldRunner(model, cache, offload=offload_cache, variant=variant, chunk_size=chunk_size)
+    runner = FoldRunner(
+        model, cache, offload=offload_cache, variant=variant, chunk_size=chunk_size,
+        cache_dtype=cache_dtype, capacity=start + T + inserted + reserve,
+    )  # fmt: skip
     if variant == "bos":
         prefix_ids = torch.tensor([model.config.bos_token_id])
     return score_chunks(

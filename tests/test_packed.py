@@ -1,0 +1,135 @@
+"""The packed cache layer (`longkv.fold.packed`): against transformers' DynamicLayer on random
+chunks in float64, narrower storage against its plain reference, crops and copies; the fold
+with a packed cache against the fold with transformers' on tiny Llama, Qwen2 and Gemma 3."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+from conftest import tiny_hf
+from longkv.checks import SettingError
+from longkv.document.read import read
+from longkv.fold.fold import kv_fold
+from longkv.fold.packed import PackedLayer
+from longkv.train.tokenizer import gpt2_tokenizer
+
+
+def chunks(sizes: list[int], dtype: torch.dtype = torch.float64) -> list[tuple[torch.Tensor, ...]]:
+    """Random (keys, values) of (1, 2, L, 4) per size."""
+    g = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(1, 2, L, 4, generator=g, dtype=dtype),
+         torch.randn(1, 2, L, 4, generator=g, dtype=dtype))
+        for L in sizes
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("capacity", [0, 7, 40, 1000])
+def test_a_packed_layer_returns_what_a_dynamic_layer_returns(capacity: int) -> None:
+    plain, packed = DynamicLayer(), PackedLayer(None, capacity)
+    for k, v in chunks([5, 1, 9, 300, 1, 2]):
+        want, got = plain.update(k, v), packed.update(k, v)
+        for w, g in zip(want, got, strict=True):
+            assert torch.equal(w, g)
+        assert torch.equal(plain.keys, packed.keys) and torch.equal(plain.values, packed.values)
+        assert plain.get_seq_length() == packed.get_seq_length()
+    assert packed.stored is not None and packed.stored[0].shape[-2] >= 318
+    # written in place: one storage for every update once it is large enough
+    before = packed.stored[0].data_ptr()
+    packed.update(*chunks([1])[0])
+    assert packed.stored[0].data_ptr() == before
+
+
+def test_narrower_storage_rounds_the_earlier_rows_once_and_keeps_the_forwards_own() -> None:
+    packed = PackedLayer(torch.float16, 0)
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for k, v in chunks([3, 4, 2]):
+        got = packed.update(k, v)
+        earlier = [torch.cat([s[i] for s in seen], dim=-2) if seen else k[..., :0, :]
+                   for i in (0, 1)]  # fmt: skip
+        for i, new in enumerate((k, v)):
+            want = torch.cat([earlier[i].half().double(), new], dim=-2)
+            assert got[i].dtype == torch.float64 and torch.equal(got[i], want)
+        seen.append((k, v))
+    assert packed.keys.dtype == torch.float16
+    assert torch.equal(packed.keys, torch.cat([s[0] for s in seen], dim=-2).half())
+
+
+def test_a_crop_then_an_update_matches_transformers_and_reuses_the_storage() -> None:
+    plain, packed = DynamicLayer(), PackedLayer(None, 64)
+    for k, v in chunks([10, 6]):
+        plain.update(k, v), packed.update(k, v)
+    plain.crop(-4), packed.crop(-4)
+    before = packed.stored[0].data_ptr()  # type: ignore[index]
+    k, v = chunks([3])[0]
+    for w, g in zip(plain.update(k, v), packed.update(k, v), strict=True):
+        assert torch.equal(w, g)
+    assert packed.stored[0].data_ptr() == before  # type: ignore[index]
+
+
+def test_a_copy_keeps_the_rows_written_and_writes_into_storage_of_its_own() -> None:
+    packed = PackedLayer(None, 64)
+    for k, v in chunks([10, 6]):
+        packed.update(k, v)
+    kept = packed.keys.clone()
+    for twin in (copy.deepcopy(packed), pickle.loads(pickle.dumps(packed))):
+        assert twin.stored is None and torch.equal(twin.keys, kept)
+        twin.update(*chunks([5])[0])
+        assert twin.stored[0].data_ptr() != packed.stored[0].data_ptr()  # type: ignore[index]
+        assert torch.equal(packed.keys, kept) and torch.equal(twin.keys[..., :16, :], kept)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+def test_the_fold_with_a_packed_cache_is_the_fold(arch: str) -> None:
+    model = tiny_hf(arch, torch.float64)
+    ids = torch.randint(0, 97, (1, 120), generator=torch.Generator().manual_seed(2))
+    plain = kv_fold(model, ids, 16)
+    same = kv_fold(model, ids, 16, cache_dtype=torch.float64)
+    assert torch.allclose(plain.nll, same.nll, rtol=0, atol=1e-10)
+    kinds = {type(layer) for layer in same.cache.layers}
+    assert PackedLayer in kinds and DynamicLayer not in kinds
+    if arch == "gemma3":  # sliding layers keep transformers' window
+        assert DynamicSlidingWindowLayer in kinds
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_16_bit_cache_keeps_the_folds_nll_within_its_tolerance(
+    arch: str, dtype: torch.dtype
+) -> None:
+    """The stated tolerance: a mean NLL within 1e-3 of the float32 cache's (docs/memory.md)."""
+    model = tiny_hf(arch, torch.float32)
+    ids = torch.randint(0, 97, (1, 200), generator=torch.Generator().manual_seed(3))
+    wide = kv_fold(model, ids, 32).nll.double().mean()
+    narrow = kv_fold(model, ids, 32, cache_dtype=dtype)
+    packed = [layer for layer in narrow.cache.layers if isinstance(layer, PackedLayer)]
+    assert packed and all(layer.keys.dtype == dtype for layer in packed)
+    assert abs(float(narrow.nll.double().mean() - wide)) <= 1e-3
+    assert not torch.equal(narrow.nll, kv_fold(model, ids, 32).nll)  # the rounding is there
+
+
+def test_a_read_with_a_packed_cache_answers_as_a_plain_one_each_time() -> None:
+    tok = gpt2_tokenizer()
+    model = tiny_hf("llama", torch.float64, vocab_size=len(tok))
+    ids = torch.randint(0, len(tok), (200,), generator=torch.Generator().manual_seed(4)).tolist()
+    plain = read(model, tok, ids, "fold", chat=False, progress=False, chunk_size=64)
+    packed = read(
+        model, tok, ids, "fold", chat=False, progress=False, chunk_size=64, cache_dtype="fp64"
+    )
+    want = plain.answer([5, 6], 8, stop_at_repeat=False).tokens
+    assert packed.answer([5, 6], 8, stop_at_repeat=False).tokens == want
+    assert packed.answer([5, 6], 8, stop_at_repeat=False).tokens == want  # the read unchanged
+
+
+def test_a_cache_dtype_is_refused_for_a_bounded_read_and_an_unknown_one_named() -> None:
+    tok = gpt2_tokenizer()
+    model = tiny_hf("llama", torch.float32, vocab_size=len(tok))
+    with pytest.raises(SettingError, match="keeps its own entries; a cache dtype is for full"):
+        read(model, tok, [1, 2, 3], "streaming", chat=False, cache_dtype="fp16")
+    with pytest.raises(SettingError, match="cache_dtype: must be None or one of"):
+        read(model, tok, [1, 2, 3], "fold", chat=False, cache_dtype="half")
