@@ -215,3 +215,8 @@ def test_settings_that_cannot_run_are_refused(tmp_path: Path) -> None:
     s = anchor.AnchorSettings(model=str(tmp_path))
     with pytest.raises(SettingError, match=r"llama\.cpp reads a GGUF file and --model"):
         anchor.gguf_of(s)
+    room = types.SimpleNamespace(max_position_embeddings=8192)
+    anchor.check_room(anchor.AnchorSettings(tokens=(8177,)), room)  # 8192 positions: fits
+    with pytest.raises(SettingError, match="take 8193 positions and the model has 8192: pass "
+                       "--tokens 8177 or fewer"):  # fmt: skip
+        anchor.check_room(anchor.AnchorSettings(tokens=(8178,)), room)

@@ -131,6 +131,19 @@ def run_worker(spec: dict[str, Any], threads: int) -> dict[str, Any]:
         return json.loads(out.read_text())
 
 
+def check_room(s: AnchorSettings, config: Any) -> None:
+    """Refuse ids that, with the continuation, take more positions than the model of `config`
+    (its `PretrainedConfig`) was trained on."""
+    limit = getattr(config, "max_position_embeddings", None)
+    longest = max(s.tokens) + s.continue_tokens - 1  # the last continuation token is not read
+    require(
+        limit is None or longest <= limit, s, "tokens",
+        f"{max(s.tokens)} ids and {s.continue_tokens} continuation tokens take {longest} "
+        f"positions and the model has {limit}: pass --tokens {limit - s.continue_tokens + 1} "
+        "or fewer (or fewer --continue-tokens)",
+    )  # fmt: skip
+
+
 def run_key(tokens: int, method: str, repeat: int) -> str:
     """A run's key in the parts: ids, method, round."""
     return f"{tokens}/{method}/{repeat}"
@@ -140,15 +153,17 @@ def run(s: AnchorSettings, settings: dict[str, Any]) -> dict[str, Any]:
     """Every run of every round (resuming from the partial file of `settings`): the parts
     (`run_key` -> a worker's result), the ids' lengths' continuations, and what was skipped."""
     from longkv.data.corpus import text_tokens
-    from longkv.models.pretrained import load_tokenizer, resolve_model
+    from longkv.models.pretrained import causal_lm_config, load_tokenizer, resolve_model
 
     missing = llama_cpp_missing() if LLAMA_CPP in s.methods else None
     if missing:
         print(f"{LLAMA_CPP}: skipped, {missing}", file=sys.stderr)
     methods = [m for m in s.methods if not (m == LLAMA_CPP and missing)]
+    path = resolve_model(s.model)
+    check_room(s, causal_lm_config(path))
     partial = Path(s.out_dir) / f"{s.name}.partial.json"
     parts = load_partial(partial, settings)
-    tokenizer = load_tokenizer(resolve_model(s.model))
+    tokenizer = load_tokenizer(path)
     for n in s.tokens:
         ids = text_tokens(tokenizer, n, s.text)
         for repeat in range(s.repeats):
