@@ -22,7 +22,9 @@ from longkv.caches.methods import read_and_answer
 from longkv.checks import SettingError
 from longkv.cli.main import main
 from longkv.data.corpus import text_tokens
+from longkv.document.read import read
 from longkv.fold.fold import kv_fold
+from longkv.models.int8 import quantize_model
 from longkv.models.pretrained import load_pretrained
 from longkv.train.tokenizer import gpt2_tokenizer
 
@@ -73,6 +75,23 @@ def test_the_longkv_worker_packs_the_folds_cache_in_16_bits(tiny_model: str) -> 
         nll = kv_fold(model, torch.tensor([ids]), 1024, cache_dtype=torch.float16).nll
     assert got["nll"] == pytest.approx(float(nll[0, -40:].double().mean()), abs=1e-6)
     assert "fold/fp16" in got["engine"]
+
+
+def test_the_longkv_worker_reads_with_int8_weights(
+    tiny_model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LONGKV_CACHE", str(tmp_path))
+    model, tokenizer = load_pretrained(tiny_model)
+    quantize_model(model)
+    ids = text_tokens(tokenizer, 200, "mobydick.txt.gz")
+    got = anchor_longkv.run(spec(tiny_model, "fold/fp16+int8", ids))
+    with torch.inference_mode():
+        doc = read(model, tokenizer, ids[:-1], "fold", chat=False, cache_dtype="fp16")
+        want = doc.answer(ids[-1:], 6, stop_at_repeat=False).tokens
+    assert got["continuation"] == want
+    held = [*model.parameters(), *model.buffers()]
+    assert got["weight_bytes"] == sum(t.numel() * t.element_size() for t in held)
+    assert "int8 weights" in got["engine"] and "fold/fp16" in got["engine"]
 
 
 def test_the_longkv_worker_reads_streaming_at_its_budget(tiny_model: str) -> None:

@@ -6,21 +6,25 @@ fold."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 from conftest import tiny_hf
+from longkv.checks import SettingError
 from longkv.fold.fold import kv_fold
 from longkv.models.int8 import (
     Int8Embedding,
     Int8Linear,
     dequantize,
     group_of,
+    held_tensors,
     quantize,
     quantize_model,
 )
+from longkv.models.pretrained import int8_file, load_model
 
 
 def test_quantization_moves_each_weight_by_at_most_half_its_groups_scale() -> None:
@@ -83,3 +87,24 @@ def test_an_int8_model_reads_as_the_model_of_its_dequantized_weights(arch: str, 
     torch.testing.assert_close(got.nll, want.nll, rtol=0, atol=1e-10)
     torch.testing.assert_close(got.last_logits, want.last_logits, rtol=0, atol=1e-10)
     assert all(p.dtype == torch.float64 for p in model.parameters())  # norms, biases
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_int8_weights_load_from_their_file_as_quantized_in_memory(
+    arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("LONGKV_CACHE", str(tmp_path / "cache"))
+    tiny_hf(arch, tie_word_embeddings=True).save_pretrained(tmp_path / "m")
+    want = quantize_model(load_model(str(tmp_path / "m")))
+    ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(6))
+    for first in (True, False):
+        model = load_model(str(tmp_path / "m"), weights="int8")
+        assert ("quantizing" in capsys.readouterr().err) == first  # once, then from the file
+        assert model.get_output_embeddings().qweight is model.get_input_embeddings().qweight
+        assert set(held_tensors(model)) == set(held_tensors(want))
+        for name, t in held_tensors(want).items():
+            assert torch.equal(held_tensors(model)[name], t), name
+        assert torch.equal(kv_fold(model, ids, 16).nll, kv_fold(want, ids, 16).nll)
+    assert int8_file(str(tmp_path / "m")).is_file()
+    with pytest.raises(SettingError, match="int8 weights compute in float32 on one device"):
+        load_model(str(tmp_path / "m"), torch.bfloat16, weights="int8")

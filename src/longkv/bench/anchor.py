@@ -28,7 +28,9 @@ from longkv.results import OUT_DIR, OUT_DIR_HELP, load_partial, save_partial
 LLAMA_CPP = "llama.cpp"
 # longkv's full and fold reads may keep their cache packed in a dtype (`ReadSettings.cache_dtype`)
 PACKED = tuple(f"{m}/{d}" for m in ("full", "fold") for d in ("fp32", "fp16", "bf16"))
-METHODS = (LLAMA_CPP, "full", "fold", "streaming", "two-level", *PACKED)
+READERS = ("full", "fold", "streaming", "two-level", *PACKED)
+INT8 = "+int8"  # a longkv reader's weights in int8 (`load_model`'s weights)
+METHODS = (LLAMA_CPP, *READERS, *(r + INT8 for r in READERS))
 WORKERS = {LLAMA_CPP: "longkv.bench.anchor_llamacpp"}  # the rest: anchor_longkv
 LONGKV_WORKER = "longkv.bench.anchor_longkv"
 INSTALL = "pip install 'longkv[anchor]'"
@@ -53,7 +55,8 @@ class AnchorSettings:
         (LLAMA_CPP, "fold", "full"),
         "readers: llama.cpp (llama-cpp-python, flash attention, its f16 cache) or one of "
         "longkv.read's methods at its own settings; full/DTYPE and fold/DTYPE keep the cache "
-        "packed in DTYPE (longkv.fold.packed)",
+        "packed in DTYPE (longkv.fold.packed), and +int8 holds the weights in int8 "
+        "(longkv.models.int8)",
         choices=METHODS,
     )
     budget: int = setting(
@@ -153,7 +156,7 @@ def run(s: AnchorSettings, settings: dict[str, Any]) -> dict[str, Any]:
     """Every run of every round (resuming from the partial file of `settings`): the parts
     (`run_key` -> a worker's result), the ids' lengths' continuations, and what was skipped."""
     from longkv.data.corpus import text_tokens
-    from longkv.models.pretrained import causal_lm_config, load_tokenizer, resolve_model
+    from longkv.models.pretrained import causal_lm_config, load_tokenizer, quantized, resolve_model
 
     missing = llama_cpp_missing() if LLAMA_CPP in s.methods else None
     if missing:
@@ -161,6 +164,8 @@ def run(s: AnchorSettings, settings: dict[str, Any]) -> dict[str, Any]:
     methods = [m for m in s.methods if not (m == LLAMA_CPP and missing)]
     path = resolve_model(s.model)
     check_room(s, causal_lm_config(path))
+    if any(m.endswith(INT8) for m in s.methods):
+        quantized(path)  # here, once: no reader's process holds the float32 weights
     partial = Path(s.out_dir) / f"{s.name}.partial.json"
     parts = load_partial(partial, settings)
     tokenizer = load_tokenizer(path)

@@ -36,11 +36,13 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
     torch.set_num_threads(spec["threads"])
     stages["imports"] = resident()
-    model, tokenizer = load_pretrained(spec["model"], torch.float32, "cpu", None)
+    reader, int8, _ = spec["method"].partition("+")  # fold/fp16+int8: int8 weights
+    weights = "int8" if int8 else "fp32"
+    model, tokenizer = load_pretrained(spec["model"], torch.float32, "cpu", None, weights)
     load_weights(model)
     stages["loaded"] = resident()
     ids: list[int] = spec["ids"]
-    method, _, dtype = spec["method"].partition("/")  # fold/fp16: the fold's cache packed
+    method, _, dtype = reader.partition("/")  # fold/fp16: the fold's cache packed
     config = None  # two-level reads with its default (TWO_LEVEL), 2048 entries
     if method == "streaming":
         options = BoundedOptions(budgets=(spec["budget"],))
@@ -55,13 +57,14 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         stages["decoded"] = resident()
         n = spec["nll_tokens"]
         nll = tail_nll(doc, ids, n) if n else None
-    weights = [*model.parameters(), *model.buffers()]
+    held = [*model.parameters(), *model.buffers()]
     return {
         "seconds": doc.read_seconds, "decode_seconds": answer.seconds,
         "continuation": answer.tokens, "peak_bytes": stages["decoded"]["peak"],
         "stages": stages, "nll": nll, "cache_bytes": held_bytes(doc.runner),
-        "weight_bytes": sum(t.numel() * t.element_size() for t in weights),
-        "engine": f"longkv {doc.settings.label}{dtype and '/' + dtype} (torch {torch.__version__})",
+        "weight_bytes": sum(t.numel() * t.element_size() for t in held),
+        "engine": f"longkv {doc.settings.label}{dtype and '/' + dtype}, {weights} weights "
+        f"(torch {torch.__version__})",
     }  # fmt: skip
 
 

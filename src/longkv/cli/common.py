@@ -19,6 +19,7 @@ from longkv.fold.compat import input_device
 from longkv.fold.fold import CLI_SWITCH, check_positions
 from longkv.models.pretrained import (
     DEFAULT_MODEL,
+    WEIGHTS,
     causal_lm_config,
     load_model,
     load_pretrained,
@@ -50,10 +51,19 @@ class LoadOptions:
         "run a RoPE model past its max_position_embeddings, at positions it was never trained "
         "on (a model with learned positions cannot run past them at all)",
     )
+    weights: str = setting(
+        "fp32",
+        "how the weights are held: fp32 (as --dtype), or int8 (linear layers and embedding in "
+        "int8 with a scale per 32 weights, computing in float32; quantized once into "
+        "$LONGKV_CACHE)",
+        choices=WEIGHTS,
+    )
 
     def load(self, dtype: str) -> tuple[torch.nn.Module, Any]:
         """The model (in DTYPES[dtype]) and tokenizer these options name."""
-        return load_pretrained(self.model, DTYPES[dtype], self.device, self.device_map)
+        return load_pretrained(
+            self.model, DTYPES[dtype], self.device, self.device_map, self.weights
+        )
 
     def entrance(self) -> tuple[str, PreTrainedConfig, Any]:
         """The model these options name without its weights: the folder or hub id to load it
@@ -64,7 +74,7 @@ class LoadOptions:
 
     def load_weights(self, path: str, dtype: str) -> torch.nn.Module:
         """The model at `path` (from `entrance`) in DTYPES[dtype], where these options put it."""
-        return load_model(path, DTYPES[dtype], self.device, self.device_map)
+        return load_model(path, DTYPES[dtype], self.device, self.device_map, self.weights)
 
 
 @dataclass(frozen=True)

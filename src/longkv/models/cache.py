@@ -1,6 +1,7 @@
 """What the cache directory (`pretrained.cache_dir`) holds: the models converted from GGUF files
-(the named ones, `--model smollm2` / `gemma3`, and those of GGUF files passed to --model) and
-the GGUF files put together from parts; listed with their sizes, removed by name."""
+(the named ones, `--model smollm2` / `gemma3`, and those of GGUF files passed to --model), the
+GGUF files put together from parts and models' int8 weights; listed with their sizes, removed
+by name."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from longkv.checks import refuse
-from longkv.models.pretrained import CONVERTED_GGUF, GGUF_FILES, PACKAGED, cache_dir
+from longkv.models.pretrained import CONVERTED_GGUF, GGUF_FILES, PACKAGED, QUANTIZED, cache_dir
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,10 @@ def cached_models() -> list[Cached]:
         folder = root / model.folder
         if folder.is_dir():
             out.append(Cached(name, f"{model.title}, converted", tree_bytes(folder), folder))
-    for sub, kind in ((CONVERTED_GGUF, "converted from a GGUF file"), (GGUF_FILES, "GGUF file")):
+    for sub, kind in (
+        (CONVERTED_GGUF, "converted from a GGUF file"), (GGUF_FILES, "GGUF file"),
+        (QUANTIZED, "int8 weights of a model (--weights int8)"),
+    ):  # fmt: skip
         for path in sorted((root / sub).glob("*")):
             if not path.name.startswith("."):  # a conversion or a put-together under way
                 out.append(Cached(path.name, kind, tree_bytes(path), path))

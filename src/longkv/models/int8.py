@@ -9,16 +9,30 @@ float32 weight) and multiplies in the compute dtype, so torch's float32 kernels 
 speed; an output layer wider than `block` rows (the vocabulary) is dequantized and multiplied
 `block` rows at a time. The reference a quantized model is held to: the same model with each
 weight replaced by its dequantized value (`dequantize(*quantize(w))`).
+
+A quantized model is kept as one safetensors file of every tensor it holds (`save_int8`) and
+built again from it without any float32 weights (`load_int8`: the model made on the meta
+device, quantized there for its shapes, then each tensor set from the file), so a process that
+loads it never holds the float32 weights.
 """
 
 from __future__ import annotations
 
+import json
+from itertools import chain
+from pathlib import Path
+from typing import Any
+
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import Tensor, nn
+from transformers import AutoModelForCausalLM
 
 GROUP = 32  # input weights per scale
 BLOCK = 16384  # output rows an output layer dequantizes at once
+INT8_FILE = "int8.safetensors"  # a quantized model's tensors (`save_int8`)
 
 
 def group_of(in_features: int, group: int = GROUP) -> int:
@@ -131,3 +145,59 @@ def quantize_model(model: nn.Module, group: int = GROUP, block: int = BLOCK) -> 
         out = Int8Linear(table.qweight, table.scale, None, block) if tied else None
         model.set_output_embeddings(out or Int8Linear.of(head, group, block))
     return model
+
+
+def held_tensors(model: nn.Module) -> dict[str, Tensor]:
+    """Every parameter and buffer of model by name (buffers that are not saved with a state
+    dict included: RoPE's inverse frequencies, Gemma's embedding scale), tied ones under each
+    of their names."""
+    named = chain(
+        model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)
+    )
+    return {name: t for name, t in named if t is not None}
+
+
+def save_int8(model: nn.Module, file: Path) -> None:
+    """Write a quantized model's tensors (`held_tensors`) to the safetensors `file`, each storage
+    once: a name whose tensor is another's (a tied table) is kept as an alias in the metadata."""
+    tensors: dict[str, Tensor] = {}
+    aliases: dict[str, str] = {}
+    first: dict[tuple[Any, ...], str] = {}
+    for name, t in held_tensors(model).items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.stride()), t.shape)
+        if key in first:
+            aliases[name] = first[key]
+        else:
+            first[key] = name
+            tensors[name] = t.detach().contiguous()
+    save_file(tensors, str(file), metadata={"aliases": json.dumps(aliases)})
+
+
+def set_tensor(model: nn.Module, name: str, value: Tensor) -> None:
+    """Put value in the place of the parameter or buffer called name."""
+    owner, _, leaf = name.rpartition(".")
+    module = model.get_submodule(owner)
+    if leaf in module._parameters:
+        module._parameters[leaf] = nn.Parameter(value, requires_grad=False)
+    else:
+        module._buffers[leaf] = value
+
+
+def load_int8(file: Path, config: Any) -> nn.Module:
+    """The causal LM of `config` (its `PretrainedConfig`), quantized (`quantize_model`), with
+    every tensor from the safetensors `file` `save_int8` wrote (computing in the dtype it was
+    quantized in), in eval mode, on the CPU."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        quantize_model(model)  # the modules and their tensors' shapes
+    with safe_open(str(file), framework="pt") as f:
+        aliases = json.loads((f.metadata() or {}).get("aliases", "{}"))
+        for name in f.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
+            set_tensor(model, name, f.get_tensor(name))
+    held = held_tensors(model)
+    for name, target in aliases.items():
+        set_tensor(model, name, held[target])
+    missing = [name for name, t in held_tensors(model).items() if t.is_meta]
+    if missing:
+        raise ValueError(f"{file}: holds no {', '.join(missing[:4])}; remove it to quantize again")
+    return model.eval()

