@@ -5,6 +5,7 @@ with a packed cache against the fold with transformers' on tiny Llama, Qwen2 and
 from __future__ import annotations
 
 import copy
+import gc
 import pickle
 
 import pytest
@@ -38,11 +39,11 @@ def test_a_packed_layer_returns_what_a_dynamic_layer_returns(capacity: int) -> N
             assert torch.equal(w, g)
         assert torch.equal(plain.keys, packed.keys) and torch.equal(plain.values, packed.values)
         assert plain.get_seq_length() == packed.get_seq_length()
-    assert packed.stored is not None and packed.stored[0].shape[-2] >= 318
+    assert packed.stored is not None and packed.stored.keys.shape[-2] >= 318
     # written in place: one storage for every update once it is large enough
-    before = packed.stored[0].data_ptr()
+    before = packed.stored.keys.data_ptr()
     packed.update(*chunks([1])[0])
-    assert packed.stored[0].data_ptr() == before
+    assert packed.stored.keys.data_ptr() == before
 
 
 def test_narrower_storage_rounds_the_earlier_rows_once_and_keeps_the_forwards_own() -> None:
@@ -65,23 +66,46 @@ def test_a_crop_then_an_update_matches_transformers_and_reuses_the_storage() -> 
     for k, v in chunks([10, 6]):
         plain.update(k, v), packed.update(k, v)
     plain.crop(-4), packed.crop(-4)
-    before = packed.stored[0].data_ptr()  # type: ignore[index]
+    before = packed.stored.keys.data_ptr()  # type: ignore[union-attr]
     k, v = chunks([3])[0]
     for w, g in zip(plain.update(k, v), packed.update(k, v), strict=True):
         assert torch.equal(w, g)
-    assert packed.stored[0].data_ptr() == before  # type: ignore[index]
+    assert packed.stored.keys.data_ptr() == before  # type: ignore[union-attr]
 
 
-def test_a_copy_keeps_the_rows_written_and_writes_into_storage_of_its_own() -> None:
+def forked(layer: PackedLayer) -> PackedLayer:
+    """A copy as `longkv.caches.fork` makes one: the rows shown shared."""
+    return copy.deepcopy(layer, {id(layer.keys): layer.keys, id(layer.values): layer.values})
+
+
+def test_a_fork_writes_after_the_reads_rows_in_place_unless_a_living_one_holds_them() -> None:
+    read = PackedLayer(None, 64)
+    for k, v in chunks([10, 6]):
+        read.update(k, v)
+    kept = read.keys.clone()
+    first = forked(read)
+    first.update(*chunks([5])[0])  # a question: written in place after the read's 16 rows
+    assert first.stored is read.stored and torch.equal(read.keys, kept)
+    longer = first.keys.clone()
+    second = forked(read)  # while the first lives: its rows 16..20 are not the second's
+    second.update(*chunks([3])[0])
+    assert second.stored is not read.stored and torch.equal(first.keys, longer)
+    assert torch.equal(second.keys[..., :16, :], kept) and torch.equal(read.keys, kept)
+    del first, second
+    gc.collect()
+    third = forked(read)  # nobody holds rows past the read's now
+    third.update(*chunks([2])[0])
+    assert third.stored is read.stored and torch.equal(read.keys, kept)
+
+
+def test_a_saved_layer_keeps_the_rows_written_not_the_storage() -> None:
     packed = PackedLayer(None, 64)
     for k, v in chunks([10, 6]):
         packed.update(k, v)
-    kept = packed.keys.clone()
-    for twin in (copy.deepcopy(packed), pickle.loads(pickle.dumps(packed))):
-        assert twin.stored is None and torch.equal(twin.keys, kept)
-        twin.update(*chunks([5])[0])
-        assert twin.stored[0].data_ptr() != packed.stored[0].data_ptr()  # type: ignore[index]
-        assert torch.equal(packed.keys, kept) and torch.equal(twin.keys[..., :16, :], kept)
+    loaded = pickle.loads(pickle.dumps(packed))
+    assert loaded.stored is None and torch.equal(loaded.keys, packed.keys)
+    loaded.update(*chunks([5])[0])
+    assert loaded.stored is not packed.stored and loaded.get_seq_length() == 21
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])

@@ -12,11 +12,16 @@ it saw before.
 In `dtype` narrower than the model's (float16 or bfloat16), the stored keys and values are
 rounded once; a forward's attention sees the stored ones widened back to the dtype of the
 forward's own keys, and its own keys and values as computed (llama.cpp rounds those too). A
-copy of the layer (a fork, `longkv.caches.fork`, or a saved read) holds the rows written
-and allocates storage of its own at its first update.
+copy of the layer (a fork, `longkv.caches.fork`) shares the storage and writes its own rows
+after those it holds, in place, where no other living layer of the storage holds rows there (a
+read's question after the read's rows), else into storage of its own (a second extension of
+the same read while the first lives); a saved read keeps the rows written, not the storage.
 """
 
 from __future__ import annotations
+
+import copy
+import weakref
 
 import torch
 from torch import Tensor
@@ -26,49 +31,76 @@ from transformers.cache_utils import DynamicLayer
 GROWTH, MIN_GROWTH = 8, 256
 
 
+class Storage:
+    """Keys and values (B, Hkv, capacity, D) that packed layers hold rows of (`users`): a layer
+    and its copies, which share it (a deep copy is the storage itself)."""
+
+    def __init__(self, keys: Tensor, values: Tensor):
+        self.keys, self.values = keys, values
+        self.users: weakref.WeakSet[PackedLayer] = weakref.WeakSet()
+
+    def __deepcopy__(self, memo: dict[int, object]) -> Storage:
+        return self
+
+    def free_after(self, layer: PackedLayer, n: int) -> bool:
+        """Whether `layer` may write past row n: no other living user holds rows there."""
+        return all(user is layer or user.get_seq_length() <= n for user in self.users)
+
+
 class PackedLayer(DynamicLayer):
-    """A full-attention layer's keys and values (B, Hkv, n, D) in preallocated storage of
+    """A full-attention layer's keys and values (B, Hkv, n, D), rows of a `Storage` of
     `capacity` rows and dtype `dtype` (None: the dtype of the first keys written)."""
 
     def __init__(self, dtype: torch.dtype | None = None, capacity: int = 0):
         super().__init__()
         self.store_dtype, self.capacity = dtype, capacity
-        self.stored: tuple[Tensor, Tensor] | None = None  # (B, Hkv, capacity, D) each
+        self.stored: Storage | None = None
 
     def __getstate__(self) -> dict[str, object]:
-        """What a copy (a fork) or a save keeps: the rows `keys` and `values` show, not the
-        storage, which the copy's first update allocates anew (a fork then writes into storage
-        of its own, as a `DynamicLayer`'s fork concatenates onto tensors of its own)."""
+        """What a save keeps: the rows `keys` and `values` show, not the storage (a loaded
+        read allocates it at its first update)."""
         return {**vars(self), "stored": None}
+
+    def __deepcopy__(self, memo: dict[int, object]) -> PackedLayer:
+        """A copy (a fork) sharing the storage, and the rows shown where memo shares them."""
+        twin = PackedLayer.__new__(PackedLayer)
+        memo[id(self)] = twin
+        twin.__dict__.update(copy.deepcopy(vars(self), memo))
+        if twin.stored is not None:
+            twin.stored.users.add(twin)
+        return twin
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
         self.stored = None
 
     def held(self) -> int:
-        """Rows the storage holds now that `keys` shows (0 where `keys` was replaced by
-        something else: a crop's view stays, other tensors are copied in at the next update)."""
+        """The rows of the storage that `keys` shows (-1 where `keys` was replaced by other
+        tensors, copied in at the next update; a crop's view stays)."""
         if self.stored is None or self.keys.numel() == 0:
             return 0
-        same = self.keys.data_ptr() == self.stored[0].data_ptr()
-        return self.keys.shape[-2] if same and self.keys.dtype == self.stored[0].dtype else -1
+        k = self.stored.keys
+        same = self.keys.data_ptr() == k.data_ptr() and self.keys.dtype == k.dtype
+        return self.keys.shape[-2] if same else -1
 
-    def storage_for(self, keys: Tensor, values: Tensor, rows: int) -> tuple[Tensor, Tensor]:
-        """Storage of at least `rows` rows shaped like keys, values (B, Hkv, *, D), holding
-        the rows `self.keys` and `self.values` show."""
+    def storage_for(self, keys: Tensor, values: Tensor, rows: int) -> Storage:
+        """A storage of at least `rows` rows shaped like keys, values (B, Hkv, *, D), holding
+        the rows `self.keys` and `self.values` show, whose rows past them are this layer's."""
         n = self.keys.shape[-2] if self.keys.numel() else 0
-        if self.held() == n and self.stored is not None and self.stored[0].shape[-2] >= rows:
-            return self.stored
+        s = self.stored
+        room = s is not None and self.held() == n and s.keys.shape[-2] >= rows
+        if room and s.free_after(self, n):  # type: ignore[union-attr]
+            return s  # type: ignore[return-value]
         size = self.capacity if self.capacity >= rows else rows + max(MIN_GROWTH, rows // GROWTH)
         dtype = self.store_dtype or keys.dtype
-        new = tuple(
+        new = Storage(*(
             t.new_empty((*t.shape[:-2], size, t.shape[-1]), dtype=dtype) for t in (keys, values)
-        )
+        ))  # fmt: skip
         if n:
-            new[0][..., :n, :] = self.keys
-            new[1][..., :n, :] = self.values
+            new.keys[..., :n, :] = self.keys
+            new.values[..., :n, :] = self.values
         self.capacity = size
-        return new  # type: ignore[return-value]
+        return new
 
     def update(
         self, key_states: Tensor, value_states: Tensor, *args: object, **kwargs: object
@@ -80,7 +112,9 @@ class PackedLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         n = self.keys.shape[-2] if self.keys.numel() else 0
         end = n + key_states.shape[-2]
-        self.stored = k, v = self.storage_for(key_states, value_states, end)
+        self.stored = self.storage_for(key_states, value_states, end)
+        self.stored.users.add(self)
+        k, v = self.stored.keys, self.stored.values
         k[..., n:end, :] = key_states
         v[..., n:end, :] = value_states
         self.keys, self.values = k[..., :end, :], v[..., :end, :]
