@@ -23,6 +23,14 @@ from pathlib import Path
 from typing import Any
 
 from longkv.checks import require, require_at_least, require_known, setting
+from longkv.data.corpus import text_tokens
+from longkv.models.pretrained import (
+    PACKAGED,
+    causal_lm_config,
+    load_tokenizer,
+    quantized,
+    resolve_model,
+)
 from longkv.results import OUT_DIR, OUT_DIR_HELP, load_partial, save_partial
 
 LLAMA_CPP = "llama.cpp"
@@ -50,7 +58,11 @@ class AnchorSettings:
         "--model where it is a .gguf file)",
     )
     text: str = setting("mobydick.txt.gz", "the shipped text the ids open")
-    tokens: tuple[int, ...] = setting((8192,), "ids per read, one length after another")
+    tokens: tuple[int, ...] = setting(
+        (8176,),
+        "ids per read, one length after another (with the continuation within the model's "
+        "positions: SmolLM2's 8192)",
+    )
     methods: tuple[str, ...] = setting(
         (LLAMA_CPP, "fold", "full"),
         "readers: llama.cpp (llama-cpp-python, flash attention, its f16 cache) or one of "
@@ -86,8 +98,6 @@ class AnchorSettings:
 
 def gguf_of(s: AnchorSettings) -> str:
     """The GGUF file llama.cpp reads (`AnchorSettings.gguf`)."""
-    from longkv.models.pretrained import PACKAGED
-
     if s.gguf is not None:
         path = Path(s.gguf)
     elif s.model in PACKAGED:
@@ -155,9 +165,6 @@ def run_key(tokens: int, method: str, repeat: int) -> str:
 def run(s: AnchorSettings, settings: dict[str, Any]) -> dict[str, Any]:
     """Every run of every round (resuming from the partial file of `settings`): the parts
     (`run_key` -> a worker's result), the ids' lengths' continuations, and what was skipped."""
-    from longkv.data.corpus import text_tokens
-    from longkv.models.pretrained import causal_lm_config, load_tokenizer, quantized, resolve_model
-
     missing = llama_cpp_missing() if LLAMA_CPP in s.methods else None
     if missing:
         print(f"{LLAMA_CPP}: skipped, {missing}", file=sys.stderr)
