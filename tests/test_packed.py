@@ -16,7 +16,7 @@ from conftest import tiny_hf
 from longkv.checks import SettingError
 from longkv.document.read import read
 from longkv.fold.fold import kv_fold
-from longkv.fold.packed import PackedLayer
+from longkv.fold.packed import PackedLayer, Scratch
 from longkv.train.tokenizer import gpt2_tokenizer
 
 
@@ -59,6 +59,22 @@ def test_narrower_storage_rounds_the_earlier_rows_once_and_keeps_the_forwards_ow
         seen.append((k, v))
     assert packed.keys.dtype == torch.float16
     assert torch.equal(packed.keys, torch.cat([s[0] for s in seen], dim=-2).half())
+
+
+def test_layers_sharing_a_scratch_each_widen_their_own_rows() -> None:
+    scratch = Scratch()
+    layers = [PackedLayer(torch.float16, 0, scratch) for _ in range(2)]
+    plain = [DynamicLayer() for _ in range(2)]
+    for step, (k, v) in enumerate(chunks([3, 4, 300, 2])):
+        for i in range(2):  # one forward: every layer in turn
+            k_i, v_i = k + i, v - i
+            got = layers[i].update(k_i, v_i)
+            want = plain[i].update(k_i.half().double(), v_i.half().double())
+            n = want[0].shape[-2] - k.shape[-2]  # the forward's own rows are not rounded
+            assert torch.equal(got[0][..., :n, :], want[0][..., :n, :])
+            assert torch.equal(got[1][..., n:, :], v_i) and got[0].data_ptr() == (
+                scratch.keys.data_ptr()  # type: ignore[union-attr]
+            ), step
 
 
 def test_a_crop_then_an_update_matches_transformers_and_reuses_the_storage() -> None:

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
-from longkv.fold.packed import PackedLayer
+from longkv.fold.packed import PackedLayer, Scratch
 from longkv.models import LongKVCache, LongKVForCausalLM
 
 TRANSFORMERS_VERSION = Version(transformers.__version__)
@@ -87,8 +87,9 @@ def new_cache(
                 raise ValueError(
                     "cache_dtype: a packed cache is not offloaded; give one or the other"
                 )
+            scratch = Scratch()  # the layers run one after another: one widening buffer
             cache.layers = [
-                PackedLayer(packed, capacity) if type(layer) is DynamicLayer else layer
+                PackedLayer(packed, capacity, scratch) if type(layer) is DynamicLayer else layer
                 for layer in cache.layers
             ]
         return cache

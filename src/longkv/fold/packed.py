@@ -11,7 +11,8 @@ it saw before.
 
 In `dtype` narrower than the model's (float16 or bfloat16), the stored keys and values are
 rounded once; a forward's attention sees the stored ones widened back to the dtype of the
-forward's own keys, and its own keys and values as computed (llama.cpp rounds those too). A
+forward's own keys, and its own keys and values as computed (llama.cpp rounds those too), in
+a `Scratch` the cache's packed layers share. A
 copy of the layer (a fork, `longkv.caches.fork`) shares the storage and writes its own rows
 after those it holds, in place, where no other living layer of the storage holds rows there (a
 read's question after the read's rows), else into storage of its own (a second extension of
@@ -47,14 +48,46 @@ class Storage:
         return all(user is layer or user.get_seq_length() <= n for user in self.users)
 
 
+class Scratch:
+    """Float keys and values (B, Hkv, rows, D) a forward's attention reads when the packed
+    layers store narrower ones: one pair for every packed layer of a cache (and its forks),
+    which run one after another, grown like a layer's storage, so widening allocates nothing
+    per forward (tensors of a new size every chunk would leave the allocator holes)."""
+
+    def __init__(self) -> None:
+        self.keys: Tensor | None = None
+        self.values: Tensor | None = None
+
+    def __deepcopy__(self, memo: dict[int, object]) -> Scratch:
+        return self
+
+    def __getstate__(self) -> dict[str, object]:
+        return {"keys": None, "values": None}  # a save keeps none of it
+
+    def take(self, like: Tensor, rows: int) -> tuple[Tensor, Tensor]:
+        """Views of `rows` rows shaped and typed like `like` (B, Hkv, *, D)."""
+        k = self.keys
+        shape = (*like.shape[:-2], like.shape[-1])
+        fits = k is not None and k.dtype == like.dtype and (*k.shape[:-2], k.shape[-1]) == shape
+        if not fits or k.shape[-2] < rows:  # type: ignore[union-attr]
+            size = rows + max(MIN_GROWTH, rows // GROWTH)
+            self.keys, self.values = (
+                like.new_empty((*like.shape[:-2], size, like.shape[-1])) for _ in range(2)
+            )
+        return self.keys[..., :rows, :], self.values[..., :rows, :]  # type: ignore[index]
+
+
 class PackedLayer(DynamicLayer):
     """A full-attention layer's keys and values (B, Hkv, n, D), rows of a `Storage` of
     `capacity` rows and dtype `dtype` (None: the dtype of the first keys written)."""
 
-    def __init__(self, dtype: torch.dtype | None = None, capacity: int = 0):
+    def __init__(
+        self, dtype: torch.dtype | None = None, capacity: int = 0, scratch: Scratch | None = None
+    ):
         super().__init__()
         self.store_dtype, self.capacity = dtype, capacity
         self.stored: Storage | None = None
+        self.scratch = Scratch() if scratch is None else scratch
 
     def __getstate__(self) -> dict[str, object]:
         """What a save keeps: the rows `keys` and `values` show, not the storage (a loaded
@@ -120,8 +153,8 @@ class PackedLayer(DynamicLayer):
         self.keys, self.values = k[..., :end, :], v[..., :end, :]
         if k.dtype == key_states.dtype:
             return self.keys, self.values
-        wide = key_states.dtype
-        return (
-            torch.cat([k[..., :n, :].to(wide), key_states], dim=-2),
-            torch.cat([v[..., :n, :].to(wide), value_states], dim=-2),
-        )
+        wide_k, wide_v = self.scratch.take(key_states, end)
+        for wide, stored, new in ((wide_k, k, key_states), (wide_v, v, value_states)):
+            wide[..., :n, :] = stored[..., :n, :]
+            wide[..., n:end, :] = new
+        return wide_k, wide_v
