@@ -44,9 +44,10 @@ def spec(model: str, method: str, ids: list[int], **changes: Any) -> dict[str, A
     return {**anchor.worker_spec(s, method, ids, True), **changes}
 
 
-@pytest.mark.parametrize(("method", "width"), [("fold", 4), ("full", 4), ("fold/fp32", 4)])
+# rows the read's cache holds: those read, and a packed cache's room for questions (LEAF_ROOM)
+@pytest.mark.parametrize(("method", "rows"), [("fold", 199), ("full", 199), ("fold/fp32", 1223)])
 def test_the_longkv_worker_reads_continues_and_scores_as_the_library_does(
-    tiny_model: str, method: str, width: int
+    tiny_model: str, method: str, rows: int
 ) -> None:
     model, tokenizer = load_pretrained(tiny_model)
     ids = text_tokens(tokenizer, 200, "mobydick.txt.gz")
@@ -57,8 +58,8 @@ def test_the_longkv_worker_reads_continues_and_scores_as_the_library_does(
         nll = kv_fold(model, tensor, len(ids)).nll[0, -40:].double().mean()
     assert got["continuation"] == [t for t in want[0].tolist() if t != tokenizer.eos_token_id]
     assert got["nll"] == pytest.approx(float(nll), abs=1e-5)
-    # the read holds keys and values of every id but the last: 1 layer, 1 KV head, head 8
-    assert got["cache_bytes"] == 2 * 199 * 8 * width
+    # keys and values of every id but the last (and room): 1 layer, 1 KV head, head 8
+    assert got["cache_bytes"] == 2 * rows * 8 * 4
     held = [*model.parameters(), *model.buffers()]  # buffers: RoPE's inverse frequencies
     assert got["weight_bytes"] == sum(t.numel() * t.element_size() for t in held)
     stages = got["stages"]
@@ -70,9 +71,9 @@ def test_the_longkv_worker_packs_the_folds_cache_in_16_bits(tiny_model: str) -> 
     model, tokenizer = load_pretrained(tiny_model)
     ids = text_tokens(tokenizer, 200, "mobydick.txt.gz")
     got = anchor_longkv.run(spec(tiny_model, "fold/fp16", ids))
-    # storage for the ids read, no more, and the float32 rows a forward widens them into
-    # (the 199 rows of the one chunk and 256 to grow into)
-    assert got["cache_bytes"] == 2 * 199 * 8 * 2 + 2 * (199 + 256) * 8 * 4
+    # storage for the ids read and 1024 more for questions, and the float32 rows a forward
+    # widens them into (the 199 rows of the one chunk and 256 to grow into)
+    assert got["cache_bytes"] == 2 * (199 + 1024) * 8 * 2 + 2 * (199 + 256) * 8 * 4
     with torch.inference_mode():
         nll = kv_fold(model, torch.tensor([ids]), 1024, cache_dtype=torch.float16).nll
     assert got["nll"] == pytest.approx(float(nll[0, -40:].double().mean()), abs=1e-6)

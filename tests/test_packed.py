@@ -162,6 +162,8 @@ def test_a_read_with_a_packed_cache_answers_as_a_plain_one_each_time() -> None:
         model, tok, ids, "fold", chat=False, progress=False, chunk_size=64, cache_dtype="fp64"
     )
     want = plain.answer([5, 6], 8, stop_at_repeat=False).tokens
+    layer = packed.runner.cache.layers[0]
+    assert layer.stored.keys.shape[-2] == 200 + 1024  # room for questions: asked in place
     assert packed.answer([5, 6], 8, stop_at_repeat=False).tokens == want
     assert packed.answer([5, 6], 8, stop_at_repeat=False).tokens == want  # the read unchanged
 

@@ -64,7 +64,8 @@ METHODS = (*CACHE_METHODS, "two-level", AUTO)
 LONG_METHOD, LONG_OPTIONS = "infllm", {"positions": "inside"}
 # positions an auto read keeps for the questions and answers where it does not know them
 ASK_ROOM = 256
-# leaves a fork may append before it copies the read's (`LeafStore.reserve`)
+# what a fork (a question) may append before it copies the read's: leaves
+# (`LeafStore.reserve`), a packed cache's rows (`kv_fold`'s room)
 LEAF_ROOM = 1024
 
 
@@ -366,7 +367,7 @@ def read_on(
         chunk = len(ids) if s.method == "full" else s.chunk_size
         fold = kv_fold(
             model, tensor, chunk, cache=None if runner is None else runner.cache, score=False,
-            allow_extrapolation=s.allow_extrapolation, progress=progress,
+            allow_extrapolation=s.allow_extrapolation, progress=progress, room=LEAF_ROOM,
             cache_dtype=None if s.cache_dtype is None else DTYPES[s.cache_dtype],
         )  # fmt: skip
         return FoldRunner(model, fold.cache, fold.next_position), []

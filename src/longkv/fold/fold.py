@@ -287,6 +287,7 @@ def kv_fold(
     offload_cache: bool = False,
     variant: str = "exact",
     cache_dtype: torch.dtype | None = None,
+    room: int = 0,
     progress: bool = False,
 ) -> FoldResult:
     """Fold `model` over input_ids (B, T) in chunks of chunk_size tokens.
@@ -303,8 +304,10 @@ def kv_fold(
     offload_cache: keep the cache in CPU memory between layers, for contexts larger than the
     accelerator's memory (transformers' offloaded DynamicCache; the model must be on a GPU).
     cache_dtype: a new cache's full-attention layers keep their keys and values in this dtype,
-    in storage allocated for the input and `reserve` (`longkv.fold.packed`; a dtype narrower
-    than the model's rounds them once); None: transformers' layers, in the model's dtype.
+    in storage allocated for the input, `reserve` and `room` more tokens (`longkv.fold.packed`;
+    a dtype narrower than the model's rounds them once); None: transformers' layers, in the
+    model's dtype. room: tokens a packed cache has storage for past the input and reserve,
+    which are not positions the fold checks (a read's later questions, `longkv.read`).
     """
     check_input(input_ids, chunk_size)
     if offload_cache and input_ids.device.type == "cpu":
@@ -325,7 +328,7 @@ def kv_fold(
     check_foldable(model, start + T + inserted + reserve, allow_extrapolation=allow_extrapolation)
     runner = FoldRunner(
         model, cache, offload=offload_cache, variant=variant, chunk_size=chunk_size,
-        cache_dtype=cache_dtype, capacity=start + T + inserted + reserve,
+        cache_dtype=cache_dtype, capacity=start + T + inserted + reserve + room,
     )  # fmt: skip
     if variant == "bos":
         prefix_ids = torch.tensor([model.config.bos_token_id])
