@@ -12,8 +12,9 @@ it saw before.
 In `dtype` narrower than the model's (float16 or bfloat16), the stored keys and values are
 rounded once; a forward's attention sees the stored ones widened back to the dtype of the
 forward's own keys, and its own keys and values as computed (llama.cpp rounds those too), in
-a `Scratch` the cache's packed layers share. A
-copy of the layer (a fork, `longkv.caches.fork`) shares the storage and writes its own rows
+a `Scratch` the cache's packed layers share.
+
+A copy of the layer (a fork, `longkv.caches.fork`) shares the storage and writes its own rows
 after those it holds, in place, where no other living layer of the storage holds rows there (a
 read's question after the read's rows), else into storage of its own (a second extension of
 the same read while the first lives); a saved read keeps the rows written, not the storage.
