@@ -67,6 +67,16 @@ def test_the_longkv_worker_reads_continues_and_scores_as_the_library_does(
     assert got["peak_bytes"] == stages["decoded"]["peak"] >= stages["read"]["rss"]
 
 
+def test_a_worker_runs_in_a_process_of_its_own_and_gives_what_it_gives_in_this_one(
+    tiny_model: str,
+) -> None:
+    ids = text_tokens(load_pretrained(tiny_model)[1], 120, "mobydick.txt.gz")
+    there = anchor.run_worker(spec(tiny_model, "fold", ids), torch.get_num_threads())
+    here = anchor_longkv.run(spec(tiny_model, "fold", ids))
+    assert there["continuation"] == here["continuation"] and there["nll"] == here["nll"]
+    assert there["stages"]["start"]["rss"] < there["stages"]["imports"]["rss"]  # a fresh one
+
+
 def test_the_longkv_worker_packs_the_folds_cache_in_16_bits(tiny_model: str) -> None:
     model, tokenizer = load_pretrained(tiny_model)
     ids = text_tokens(tokenizer, 200, "mobydick.txt.gz")

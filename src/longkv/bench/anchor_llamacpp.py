@@ -12,14 +12,11 @@ before them in one evaluation, then one token at a time, each scored by the logi
 
 from __future__ import annotations
 
-import json
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-from longkv.bench.process import resident
-from longkv.results import write_atomic
+from longkv.bench.process import resident, worker_main
 
 
 def last_logits(llm: Any) -> Any:
@@ -84,12 +81,5 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def main(argv: list[str]) -> int:
-    """Run the spec in argv[0], write the result to argv[1]."""
-    spec = json.loads(Path(argv[0]).read_text())
-    write_atomic(Path(argv[1]), json.dumps(run(spec)))
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(worker_main(run, sys.argv[1:]))

@@ -14,13 +14,10 @@ scoring run of the same method over all the ids.
 
 from __future__ import annotations
 
-import json
 import sys
-from pathlib import Path
 from typing import Any
 
-from longkv.bench.process import resident
-from longkv.results import write_atomic
+from longkv.bench.process import resident, worker_main
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
@@ -89,12 +86,5 @@ def tail_nll(doc: Any, ids: list[int], n: int) -> float:
     return float(result.nll[0, -n:].double().mean())
 
 
-def main(argv: list[str]) -> int:
-    """Run the spec in argv[0], write the result to argv[1]."""
-    spec = json.loads(Path(argv[0]).read_text())
-    write_atomic(Path(argv[1]), json.dumps(run(spec)))
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(worker_main(run, sys.argv[1:]))

@@ -1,9 +1,15 @@
-"""This process's resident memory, read from /proc/self/status (Linux), without torch: the
-workers of `longkv bench anchor` read it in a process that runs another engine."""
+"""A benchmark's worker process, without torch: its resident memory, read from
+/proc/self/status (Linux), and its entry point (`worker_main`). The workers of `longkv bench
+anchor` use both, one of them in a process that runs another engine."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+from longkv.results import write_atomic
 
 STATUS = Path("/proc/self/status")
 
@@ -20,3 +26,10 @@ def status_bytes(key: str) -> int:
 def resident() -> dict[str, int]:
     """Bytes resident now (`rss`) and at most so far (`peak`)."""
     return {"rss": status_bytes("VmRSS"), "peak": status_bytes("VmHWM")}
+
+
+def worker_main(run: Callable[[dict[str, Any]], dict[str, Any]], argv: list[str]) -> int:
+    """Run the JSON spec in the file argv[0] and write its result, as JSON, to argv[1]."""
+    spec = json.loads(Path(argv[0]).read_text())
+    write_atomic(Path(argv[1]), json.dumps(run(spec)))
+    return 0
