@@ -32,7 +32,6 @@ from transformers import AutoModelForCausalLM
 
 GROUP = 32  # input weights per scale
 BLOCK = 16384  # output rows an output layer dequantizes at once
-INT8_FILE = "int8.safetensors"  # a quantized model's tensors (`save_int8`)
 
 
 def group_of(in_features: int, group: int = GROUP) -> int:
@@ -112,8 +111,7 @@ class Int8Embedding(nn.Module):
     def of(cls, embedding: nn.Embedding, group: int = GROUP) -> Int8Embedding:
         """The embedding quantized (its `embed_scale` kept, if it has one)."""
         extra = getattr(embedding, "embed_scale", None)
-        dtype = embedding.weight.dtype
-        return cls(*quantize(embedding.weight, group), dtype, None if extra is None else extra)
+        return cls(*quantize(embedding.weight, group), embedding.weight.dtype, extra)
 
     @property
     def weight(self) -> Tensor:
@@ -122,10 +120,9 @@ class Int8Embedding(nn.Module):
 
     def forward(self, input_ids: Tensor) -> Tensor:
         """(..., d) rows of input_ids (...), in the embedding's dtype."""
-        q, scale = self.qweight[input_ids], self.scale[input_ids]  # (..., d), (..., d // g)
-        g = self.embedding_dim // scale.shape[-1]
-        rows = q.view(*q.shape[:-1], -1, g).to(self.dtype) * scale.to(self.dtype)[..., None]
-        rows = rows.view(q.shape)
+        ids = input_ids.reshape(-1)
+        rows = dequantize(self.qweight[ids], self.scale[ids], self.dtype)  # (n, d)
+        rows = rows.view(*input_ids.shape, self.embedding_dim)
         return rows if self.embed_scale is None else rows * self.embed_scale.to(self.dtype)
 
 
@@ -141,9 +138,10 @@ def quantize_model(model: nn.Module, group: int = GROUP, block: int = BLOCK) -> 
         if isinstance(module, nn.Linear) and module is not head:
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, Int8Linear.of(module, group, block))
-    if head is not None:
-        out = Int8Linear(table.qweight, table.scale, None, block) if tied else None
-        model.set_output_embeddings(out or Int8Linear.of(head, group, block))
+    if tied:
+        model.set_output_embeddings(Int8Linear(table.qweight, table.scale, None, block))
+    elif head is not None:
+        model.set_output_embeddings(Int8Linear.of(head, group, block))
     return model
 
 

@@ -312,11 +312,12 @@ def int8_file(path: str) -> Path:
     """Where the int8 weights of the model at `path` are kept: a file of the cache directory
     whose name changes with the model's folder (its path and its files' sizes and times), or
     with the hub id."""
-    folder = Path(path)
-    key = str(folder.resolve()) if folder.is_dir() else path
+    folder, key = Path(path), path
     if folder.is_dir():
-        key += "".join(f":{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}"
-                       for p in sorted(folder.glob("*.safetensors")))  # fmt: skip
+        key = str(folder.resolve()) + "".join(
+            f":{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}"
+            for p in sorted(folder.glob("*.safetensors"))
+        )
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     return cache_dir() / QUANTIZED / f"{folder.name}-{digest}.safetensors"
 
