@@ -33,6 +33,11 @@ from transformers.cache_utils import DynamicLayer
 GROWTH, MIN_GROWTH = 8, 256
 
 
+def grown(rows: int) -> int:
+    """The rows storage for `rows` rows is allocated with when it has to grow."""
+    return rows + max(MIN_GROWTH, rows // GROWTH)
+
+
 class Storage:
     """Keys and values (B, Hkv, capacity, D) that packed layers hold rows of (`users`): a layer
     and its copies, which share it (a deep copy is the storage itself)."""
@@ -71,9 +76,8 @@ class Scratch:
         shape = (*like.shape[:-2], like.shape[-1])
         fits = k is not None and k.dtype == like.dtype and (*k.shape[:-2], k.shape[-1]) == shape
         if not fits or k.shape[-2] < rows:  # type: ignore[union-attr]
-            size = rows + max(MIN_GROWTH, rows // GROWTH)
             self.keys, self.values = (
-                like.new_empty((*like.shape[:-2], size, like.shape[-1])) for _ in range(2)
+                like.new_empty((*like.shape[:-2], grown(rows), like.shape[-1])) for _ in range(2)
             )
         return self.keys[..., :rows, :], self.values[..., :rows, :]  # type: ignore[index]
 
@@ -111,7 +115,7 @@ class PackedLayer(DynamicLayer):
     def held(self) -> int:
         """The rows of the storage that `keys` shows (-1 where `keys` was replaced by other
         tensors, copied in at the next update; a crop's view stays)."""
-        if self.stored is None or self.keys.numel() == 0:
+        if self.stored is None or self.get_seq_length() == 0:
             return 0
         k = self.stored.keys
         same = self.keys.data_ptr() == k.data_ptr() and self.keys.dtype == k.dtype
@@ -120,12 +124,12 @@ class PackedLayer(DynamicLayer):
     def storage_for(self, keys: Tensor, values: Tensor, rows: int) -> Storage:
         """A storage of at least `rows` rows shaped like keys, values (B, Hkv, *, D), holding
         the rows `self.keys` and `self.values` show, whose rows past them are this layer's."""
-        n = self.keys.shape[-2] if self.keys.numel() else 0
+        n = self.get_seq_length()
         s = self.stored
         room = s is not None and self.held() == n and s.keys.shape[-2] >= rows
         if room and s.free_after(self, n):  # type: ignore[union-attr]
             return s  # type: ignore[return-value]
-        size = self.capacity if self.capacity >= rows else rows + max(MIN_GROWTH, rows // GROWTH)
+        size = self.capacity if self.capacity >= rows else grown(rows)
         dtype = self.store_dtype or keys.dtype
         new = Storage(*(
             t.new_empty((*t.shape[:-2], size, t.shape[-1]), dtype=dtype) for t in (keys, values)
@@ -144,7 +148,7 @@ class PackedLayer(DynamicLayer):
         forward's dtype where they are stored narrower, its own as given)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        n = self.keys.shape[-2] if self.keys.numel() else 0
+        n = self.get_seq_length()
         end = n + key_states.shape[-2]
         self.stored = self.storage_for(key_states, value_states, end)
         self.stored.users.add(self)
