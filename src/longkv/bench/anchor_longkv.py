@@ -71,7 +71,6 @@ def tail_nll(doc: Any, ids: list[int], n: int) -> float:
     import torch
 
     from longkv.caches.methods import run_bounded
-    from longkv.dtypes import DTYPES
     from longkv.fold.compat import input_device
     from longkv.fold.fold import kv_fold
 
@@ -79,8 +78,7 @@ def tail_nll(doc: Any, ids: list[int], n: int) -> float:
     tensor = torch.tensor([ids], device=input_device(doc.model))
     if s.config is None:
         chunk = len(ids) if s.method == "full" else s.chunk_size
-        packed = None if s.cache_dtype is None else DTYPES[s.cache_dtype]
-        result = kv_fold(doc.model, tensor, chunk, cache_dtype=packed)
+        result = kv_fold(doc.model, tensor, chunk, cache_dtype=s.packed)
     else:
         result = run_bounded(doc.model, tensor, s.config, s.stream_chunk)
     return float(result.nll[0, -n:].double().mean())

@@ -111,6 +111,11 @@ class ReadSettings:
                 f"({self.config.window_len} tokens)",
             )  # fmt: skip
 
+    @property
+    def packed(self) -> torch.dtype | None:
+        """The dtype a full or fold read packs its cache in (`kv_fold`'s cache_dtype)."""
+        return None if self.cache_dtype is None else DTYPES[self.cache_dtype]
+
 
 def auto_method(config: Any, tokens: int) -> tuple[str, str]:
     """(method, why): how `auto` reads `tokens` positions (document, question and answer) with
@@ -368,7 +373,7 @@ def read_on(
         fold = kv_fold(
             model, tensor, chunk, cache=None if runner is None else runner.cache, score=False,
             allow_extrapolation=s.allow_extrapolation, progress=progress, room=LEAF_ROOM,
-            cache_dtype=None if s.cache_dtype is None else DTYPES[s.cache_dtype],
+            cache_dtype=s.packed,
         )  # fmt: skip
         return FoldRunner(model, fold.cache, fold.next_position), []
     assert isinstance(runner, BoundedRunner)
