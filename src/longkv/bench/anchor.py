@@ -164,7 +164,7 @@ def run_key(tokens: int, method: str, repeat: int) -> str:
 
 def run(s: AnchorSettings, settings: dict[str, Any]) -> dict[str, Any]:
     """Every run of every round (resuming from the partial file of `settings`): the parts
-    (`run_key` -> a worker's result), the ids' lengths' continuations, and what was skipped."""
+    (`run_key` -> a worker's result, with its continuation's text) and what was skipped."""
     missing = llama_cpp_missing() if LLAMA_CPP in s.methods else None
     if missing:
         print(f"{LLAMA_CPP}: skipped, {missing}", file=sys.stderr)

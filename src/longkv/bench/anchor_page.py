@@ -66,7 +66,8 @@ def same_prefix(a: list[int], b: list[int]) -> int:
 
 def length_rows(parts: dict[str, Any], n: int, methods: list[str]) -> list[list[str]]:
     """Time and peak of each reader at n ids."""
-    anchor = medians(runs_of(parts, n, LLAMA_CPP)) if runs_of(parts, n, LLAMA_CPP) else None
+    anchored = runs_of(parts, n, LLAMA_CPP)
+    anchor = medians(anchored) if anchored else None
     rows = []
     for method in methods:
         runs = runs_of(parts, n, method)
