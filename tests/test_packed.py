@@ -13,6 +13,7 @@ import torch
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from conftest import tiny_hf
+from longkv.caches.fork import fork
 from longkv.checks import SettingError
 from longkv.document.read import read
 from longkv.fold.fold import kv_fold
@@ -71,8 +72,9 @@ def test_layers_sharing_a_scratch_each_widen_their_own_rows() -> None:
             got = layers[i].update(k_i, v_i)
             want = plain[i].update(k_i.half().double(), v_i.half().double())
             n = want[0].shape[-2] - k.shape[-2]  # the forward's own rows are not rounded
-            assert torch.equal(got[0][..., :n, :], want[0][..., :n, :])
-            assert torch.equal(got[1][..., n:, :], v_i) and got[0].data_ptr() == (
+            for g, w, own in zip(got, want, (k_i, v_i), strict=True):
+                assert torch.equal(g[..., :n, :], w[..., :n, :]) and torch.equal(g[..., n:, :], own)
+            assert got[0].data_ptr() == (
                 scratch.keys.data_ptr()  # type: ignore[union-attr]
             ), step
 
@@ -163,7 +165,10 @@ def test_a_read_with_a_packed_cache_answers_as_a_plain_one_each_time() -> None:
     )
     want = plain.answer([5, 6], 8, stop_at_repeat=False).tokens
     layer = packed.runner.cache.layers[0]
-    assert layer.stored.keys.shape[-2] == 200 + 1024  # room for questions: asked in place
+    assert layer.stored.keys.shape[-2] == 200 + 1024  # room for questions
+    question = fork(packed.runner)  # what an answer reads through: it writes in place
+    question.forward(torch.tensor([[5, 6]]))
+    assert question.cache.layers[0].stored is layer.stored and layer.get_seq_length() == 200
     assert packed.answer([5, 6], 8, stop_at_repeat=False).tokens == want
     assert packed.answer([5, 6], 8, stop_at_repeat=False).tokens == want  # the read unchanged
 

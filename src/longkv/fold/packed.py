@@ -153,13 +153,16 @@ class PackedLayer(DynamicLayer):
         self.stored = self.storage_for(key_states, value_states, end)
         self.stored.users.add(self)
         k, v = self.stored.keys, self.stored.values
-        k[..., n:end, :] = key_states
-        v[..., n:end, :] = value_states
-        self.keys, self.values = k[..., :end, :], v[..., :end, :]
-        if k.dtype == key_states.dtype:
-            return self.keys, self.values
-        wide_k, wide_v = self.scratch.take(key_states, end)
-        for wide, stored, new in ((wide_k, k, key_states), (wide_v, v, value_states)):
-            wide[..., :n, :] = stored[..., :n, :]
-            wide[..., n:end, :] = new
-        return wide_k, wide_v
+        # storage made by a read under inference mode is written in place in it, whatever the
+        # mode of a later forward (a concatenation makes new tensors in either)
+        with torch.inference_mode(k.is_inference()):
+            k[..., n:end, :] = key_states
+            v[..., n:end, :] = value_states
+            self.keys, self.values = k[..., :end, :], v[..., :end, :]
+            if k.dtype == key_states.dtype:
+                return self.keys, self.values
+            wide_k, wide_v = self.scratch.take(key_states, end)
+            for wide, stored, new in ((wide_k, k, key_states), (wide_v, v, value_states)):
+                wide[..., :n, :] = stored[..., :n, :]
+                wide[..., n:end, :] = new
+            return wide_k, wide_v
