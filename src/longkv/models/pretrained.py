@@ -51,6 +51,7 @@ from transformers import (
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from longkv.checks import require, require_known
+from longkv.models.gqa import use_gqa_sdpa
 from longkv.models.int8 import load_int8, quantize_model, save_int8
 from longkv.results import follow_umask, replaced_atomically
 
@@ -345,7 +346,8 @@ def load_model(
     weights: str = "fp32",
 ) -> PreTrainedModel:
     """The causal LM at `path` (as `resolve_model` returns it), as what it is
-    (AutoModelForCausalLM), in eval mode.
+    (AutoModelForCausalLM), in eval mode, its SDPA attention keeping grouped KV heads
+    grouped on the CPU (`longkv.models.gqa`).
 
     device_map: spread the model over several devices through accelerate (e.g. "auto");
     then `device` is not used and inputs go to the embedding's device.
@@ -359,7 +361,9 @@ def load_model(
             dtype == torch.float32 and device_map is None, None, "weights",
             "int8 weights compute in float32 on one device; drop --dtype or --device-map",
         )  # fmt: skip
-        return load_int8(quantized(path), causal_lm_config(path)).to(device)
+        model = load_int8(quantized(path), causal_lm_config(path)).to(device)
+        use_gqa_sdpa(model)
+        return model
     config = causal_lm_config(path)
     placement: dict[str, object] = {} if device_map is None else {"device_map": device_map}
     try:
@@ -368,6 +372,7 @@ def load_model(
         raise FileNotFoundError(f"model {path!r}: {first_line(err)}") from err
     if device_map is None:
         model = model.to(device)
+    use_gqa_sdpa(model)
     return model.eval()
 
 
