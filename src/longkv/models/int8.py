@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from transformers import AutoModelForCausalLM
 
 GROUP = 32  # input weights per scale
-BLOCK = 16384  # output rows an output layer dequantizes at once
+BLOCK = 4096  # output rows an output layer dequantizes at once (its transient: 4096 x d floats)
 
 
 def group_of(in_features: int, group: int = GROUP) -> int:
@@ -56,9 +56,8 @@ def dequantize(q: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32) -> 
     """(out, in) weights in dtype of q (out, in) int8 and scale (out, in // g)."""
     out, n_in = q.shape
     groups = scale.shape[-1]
-    return (q.view(out, groups, n_in // groups).to(dtype) * scale.to(dtype)[..., None]).view(
-        out, n_in
-    )
+    w = q.view(out, groups, n_in // groups).to(dtype)
+    return w.mul_(scale.to(dtype)[..., None]).view(out, n_in)  # in place: one float copy
 
 
 class Int8Linear(nn.Module):
