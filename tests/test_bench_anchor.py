@@ -183,7 +183,10 @@ def fake_run(tokens: int, seconds: float, peak: int, nll: float, continuation: l
 
 
 def test_the_page_sets_each_reader_against_llamacpp_and_the_target(tmp_path: Path) -> None:
-    s = anchor.AnchorSettings(tokens=(100,), nll_tokens=50, out_dir=str(tmp_path), name="a")
+    s = anchor.AnchorSettings(
+        tokens=(100,), nll_tokens=50, out_dir=str(tmp_path), name="a",
+        methods=("llama.cpp", "fold", "full", "fold/fp16+int8"),
+    )  # fmt: skip
     parts = {
         "100/llama.cpp/0": fake_run(100, 80.0, 400, 3.70, [1, 2, 3, 4]),
         "100/llama.cpp/1": fake_run(100, 90.0, 420, 3.70, [1, 2, 3, 4]),
@@ -193,6 +196,7 @@ def test_the_page_sets_each_reader_against_llamacpp_and_the_target(tmp_path: Pat
         "100/fold/1": fake_run(100, 44.0, 1000, 3.75, [1, 2, 9, 4]),
         "100/full/0": fake_run(100, 60.0, 700, 3.76, [1, 2, 3, 4]),
         "100/full/1": fake_run(100, 62.0, 700, 3.76, [1, 2, 3, 4]),
+        "100/fold/fp16+int8/0": fake_run(100, 66.0, 800, 3.7601, [1, 2, 3, 4]),
     }
     report = {"parts": parts, "skipped": {}}
     payload = {"provenance": {"command": "c", "commit": "x", "date": "d", "machine": {
@@ -203,8 +207,16 @@ def test_the_page_sets_each_reader_against_llamacpp_and_the_target(tmp_path: Pat
     assert paths[2].is_file()
     # medians: llama.cpp 85 s and 410 MiB; the fold 42 s and 1000 MiB
     assert "| fold | 40.0 / 44.0 | 42.0 | 0.49 | 1000 | 2.44 | 0.200 |" in page
-    assert "- the fold's peak memory is 2.44x llama.cpp's (target <= 2.0x): missed" in page
-    assert "- the fold's read time is 0.49x llama.cpp's (target <= 0.8x): met" in page
+    assert (
+        "- fold: peak 2.44x llama.cpp's (target <= 2.0x): missed; "
+        "read time 0.49x llama.cpp's (target <= 0.8x): met\n"
+    ) in page  # the float32 fold: no NLL against itself
+    assert (
+        "- fold/fp16+int8: peak 1.95x llama.cpp's (target <= 2.0x): met; "
+        "read time 0.78x llama.cpp's (target <= 0.8x): met; "
+        "NLL +0.0101 from the fold's (target within 0.01): missed"
+    ) in page
+    assert "- full:" not in page  # the targets are the fold's
     assert "| fold | 3.7500 | +0.0500 | +0.0000 | 2 of 4 | x |" in page
     assert "| full | 3.7600 | +0.0600 | +0.0100 | 4 of 4 | x |" in page
     # runtime 100, weights 200, kept by the read 100, the peak 600 above the read's end
