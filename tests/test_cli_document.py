@@ -1,6 +1,7 @@
 """`longkv ask` with several questions, JSON lines and a saved read (`longkv read --save`,
-`ask --load`); documents that are not text refused naming --file; `import longkv` alone lets
-transformers' Auto classes load a saved longkv model.
+`ask --load`); a fold read's cache packed in the dtype asked; documents that are not text
+refused naming --file; `import longkv` alone lets transformers' Auto classes load a saved
+longkv model.
 
 The model commands run on a tiny random Llama saved with the shared GPT-2 tokenizer."""
 
@@ -12,10 +13,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import LlamaForCausalLM
 
 from conftest import over_tokenizer, saved_model, tiny_hf_config, tiny_longkv
 from longkv.cli.main import main
+from longkv.document.save import load
+from longkv.fold.packed import PackedLayer
 from longkv.train.tokenizer import gpt2_tokenizer
 
 QUESTIONS = ["What is the word?", "Which word?", "Say the word."]
@@ -81,6 +85,27 @@ def test_a_read_saved_by_longkv_read_answers_as_the_read_itself(
     assert main(["ask", "--load", str(save), "--question", "Q?"]) == 2
     err = capsys.readouterr().err
     assert "tensors.pt is truncated or changed (0 bytes" in err and len(err.splitlines()) == 1
+
+
+def test_a_fold_read_keeps_its_cache_packed_in_the_cache_dtype_asked(
+    tiny_model: str, document: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = ["ask", "--model", tiny_model, "--file", str(document), "--method", "fold"]
+    answers = []
+    for extra in ([], ["--cache-dtype", "fp32"]):  # packed in float32: the same numbers
+        assert main([*base, *extra, *asked("--json", "--max-new-tokens", "5")]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        answers.append([json.loads(line)["answer"] for line in lines])
+    assert len(answers[0]) == len(QUESTIONS) and answers[0] == answers[1]
+    save = tmp_path / "read"
+    argv = ["read", "--model", tiny_model, "--file", str(document), "--method", "fold"]
+    assert main([*argv, "--cache-dtype", "fp16", "--save", str(save)]) == 0
+    doc = load(save)
+    assert doc.settings.cache_dtype == "fp16"
+    assert all(
+        isinstance(layer, PackedLayer) and layer.store_dtype == torch.float16
+        for layer in doc.runner.cache.layers
+    )
 
 
 @pytest.mark.parametrize(
@@ -240,6 +265,8 @@ def test_a_read_past_the_models_positions_is_refused_before_its_weights_load(
         (["--method", "fold", "--budget", "64"], "argument --budget: is read by streaming, "),
         (["--method", "infllm", "--quest-page", "8"], "argument --quest-page: is read by quest"),
         (["--method", "streaming", "--chunk-size", "64"], "argument --chunk-size: is read by fold"),
+        (["--method", "streaming", "--cache-dtype", "fp16"],
+         "argument --cache-dtype: is read by full, fold only"),
     ],
 )  # fmt: skip
 def test_an_option_the_named_method_ignores_is_refused(

@@ -89,6 +89,12 @@ class DocumentOptions(BoundedOptions):
         True, "put document and question in the tokenizer's chat template when it has one"
     )
     dtype: str = dtype_setting()
+    cache_dtype: str | None = setting(
+        None,
+        "full and fold: keep the cache's keys and values packed in this dtype, attended in "
+        "float32 (docs/memory.md; default: transformers' cache, in --dtype)",
+        choices=sorted(DTYPES),
+    )
 
     def __post_init__(self) -> None:
         require_at_least(1, self, "chunk_size")
@@ -126,9 +132,10 @@ class DocumentOptions(BoundedOptions):
         """How the document is read, its bounded config checked against the model."""
         configs = self.check_runs(model, (self.method,), "method")
         label = self.labels((self.method,))[0]
+        packed = self.cache_dtype if self.method in PACKED_METHODS else None  # auto: its pick
         return ReadSettings(
             self.method, label, configs.get(label), self.chunk_size, self.stream_chunk,
-            self.chat, allow_extrapolation,
+            self.chat, allow_extrapolation, packed,
         )  # fmt: skip
 
     def chosen(
@@ -186,8 +193,10 @@ class DocumentOptions(BoundedOptions):
 
 
 # the options only some methods read: (fnmatch patterns of their fields, those methods)
+PACKED_METHODS = ("full", "fold")  # the reads a cache dtype packs (`ReadSettings.cache_dtype`)
 METHOD_OPTIONS: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
     (("chunk_size",), ("fold",)),
+    (("cache_dtype",), PACKED_METHODS),
     (("budgets", "sinks", "window", "stream_chunk"), BOUNDED),
     (("kvm_*",), ("kvm-fold",)),
     (("routing", "leaf_budget"), ("kvm-fold", "quest")),
