@@ -14,7 +14,7 @@ from conftest import tiny_hf
 from longkv.bench import memory
 from longkv.bench.compare import compare_methods, step_seconds
 from longkv.bench.kvm import METHODS, BenchSettings
-from longkv.bench.memory import cpu_peak_supported, peak_memory
+from longkv.bench.memory import cpu_peak_supported, load_weights, peak_memory
 from longkv.bench.train import TrainBenchSettings
 from longkv.cli.main import main
 
@@ -155,6 +155,16 @@ def test_compared_peaks_exclude_weights_mapped_lazily(tmp_path: Path) -> None:
     report = compare_methods(model, ids, 3, methods=("full", "fold"))
     peaks = {r["method"]: r["peak_memory_bytes"] for r in report["runs"]}
     assert peaks["full"] < 20e6 and peaks["fold"] < 20e6, peaks
+
+
+@pytest.mark.skipif(not cpu_peak_supported(), reason="needs Linux /proc/self/clear_refs")
+def test_reading_weights_in_allocates_nothing_their_size() -> None:
+    """int8 weights (`longkv.models.int8`) and masks are read in place, not widened."""
+    module = torch.nn.Module()
+    module.register_buffer("q", torch.ones(40_000_000, dtype=torch.int8))
+    module.register_buffer("mask", torch.ones(40_000_000, dtype=torch.bool))
+    _, peak = peak_memory(lambda: load_weights(module), torch.device("cpu"))
+    assert peak is not None and peak < 8e6, peak
 
 
 def test_flop_counts_follow_the_states_a_run_goes_through() -> None:

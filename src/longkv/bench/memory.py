@@ -123,12 +123,13 @@ def load_weights(module: torch.nn.Module) -> None:
 
     transformers maps safetensors weights from disk and the kernel reads a page in on its first
     use; without this, the first forward after loading counts the weights it touches (the whole
-    model, for a full forward) as its own memory.
+    model, for a full forward) as its own memory. Each tensor is read by its maximum, which
+    allocates nothing the tensor's size (a sum of int8 weights widens them to int64).
     """
     with torch.inference_mode():
         for t in (*module.parameters(), *module.buffers()):
             if t.device.type == "cpu" and t.numel():
-                t.sum()
+                (t.view(torch.uint8) if t.dtype == torch.bool else t).amax()
 
 
 def peak_memory(fn: Callable[[], R], device: torch.device) -> tuple[R, int | None]:
