@@ -10,7 +10,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src" / "longkv"
 # floor of each room (a package, or a top-level module): imports go to lower floors only
 FLOORS: dict[str, int] = {
-    "checks": 0, "dtypes": 0, "results": 0, "vml": 0, "data": 0, "nll": 0, "version": 0,
+    "checks": 0, "dtypes": 0, "heap": 0, "results": 0, "vml": 0, "data": 0, "nll": 0, "version": 0,
     "attention": 1, "rwkv": 1, "decoding": 1,
     "kvm": 2, "ovq": 2,
     "models": 3,

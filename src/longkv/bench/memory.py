@@ -8,8 +8,6 @@ it: a plain `kv_fold` or `streaming_llm` leaves the process as it found it.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
-import functools
 import gc
 import threading
 from collections.abc import Callable
@@ -19,22 +17,10 @@ from typing import TypeVar
 import torch
 
 from longkv.bench.process import status_bytes
+from longkv.heap import libc_function, release_freed_heap
 
 R = TypeVar("R")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
-
-
-@functools.cache
-def _libc_function(name: str) -> Callable[..., int] | None:
-    libc_name = ctypes.util.find_library("c")  # runs ldconfig: look it up once
-    return getattr(ctypes.CDLL(libc_name), name, None) if libc_name else None
-
-
-def _release_free_heap() -> None:
-    """Return freed heap pages to the OS (glibc malloc_trim) so RSS counts live memory only."""
-    trim = _libc_function("malloc_trim")
-    if trim is not None:
-        trim(0)
 
 
 _heap_kept = False
@@ -48,7 +34,7 @@ def _share_one_arena() -> None:
     resident high-water mark of the same call moved from run to run with 2 threads but not
     with 1. Arenas made before the call stay.
     """
-    mallopt = _libc_function("mallopt")
+    mallopt = libc_function("mallopt")
     if mallopt is not None:
         mallopt(_M_ARENA_MAX, 1)
 
@@ -65,7 +51,7 @@ def keep_freed_heap(keep: bool = True) -> bool:
     threshold of 128 KiB allowed for a call of small tensors.
     """
     global _heap_kept
-    mallopt = _libc_function("mallopt")
+    mallopt = libc_function("mallopt")
     if mallopt is None:
         return False
     mmap, trim = (2**30, 2**31) if keep else (2**12, 2**17)
@@ -87,7 +73,7 @@ class _MallInfo2(ctypes.Structure):
 def _live_heap_bytes() -> int | None:
     """Bytes glibc's malloc has handed out and not had back, over every arena: in heap chunks
     (uordblks) and in mapped blocks (hblkhd); None without mallinfo2."""
-    mallinfo2 = _libc_function("mallinfo2")
+    mallinfo2 = libc_function("mallinfo2")
     if mallinfo2 is None:
         return None
     mallinfo2.restype = _MallInfo2
@@ -173,7 +159,7 @@ def peak_memory(fn: Callable[[], R], device: torch.device) -> tuple[R, int | Non
         live = _LiveHeapPeak()
         trimmer = threading.Thread(target=_trim_until, args=(done, live), daemon=True)
         trimmer.start()
-        _release_free_heap()
+        release_freed_heap()
         _CLEAR_REFS.write_text("5")
         before = status_bytes("VmRSS")
         result = fn()
@@ -199,4 +185,4 @@ def _trim_until(done: threading.Event, live: _LiveHeapPeak, every_s: float = 0.0
     """
     while not done.wait(every_s):
         live.sample()
-        _release_free_heap()
+        release_freed_heap()

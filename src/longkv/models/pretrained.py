@@ -51,6 +51,7 @@ from transformers import (
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from longkv.checks import require, require_known
+from longkv.heap import release_freed_heap
 from longkv.models.gqa import use_gqa_sdpa
 from longkv.models.int8 import load_int8, quantize_model, save_int8
 from longkv.results import follow_umask, replaced_atomically
@@ -393,8 +394,11 @@ def load_pretrained(
 
 
 def load_tokenizer(path: str) -> Any:
-    """The tokenizer saved with the model at `path` (as `resolve_model` returns it)."""
+    """The tokenizer saved with the model at `path` (as `resolve_model` returns it), and the
+    memory its loading freed handed back (`release_freed_heap`)."""
     try:
-        return AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path)
     except OSError as err:  # transformers' several-line messages: the first says what is wrong
         raise OSError(f"model {path!r}: {first_line(err)}") from err
+    release_freed_heap()
+    return tokenizer
