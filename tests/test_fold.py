@@ -126,15 +126,21 @@ def test_long_forwards_score_from_logits_made_a_block_at_a_time(
     assert (blocks.last_logits - whole.last_logits).abs().max().item() <= 1e-5
 
 
-def test_a_read_to_decode_from_makes_its_last_logits_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_read_to_decode_from_makes_its_last_chunks_last_logits_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     model = tiny("gemma3")
     model.generation_config.eos_token_id = None
     ids = torch.randint(0, V, (1, 40), generator=torch.Generator().manual_seed(10))
     ref = fold_generate(model, ids, 16, max_new_tokens=5)
+    scored = kv_fold(model, ids, 16)
     outputs = recording(monkeypatch)
     assert torch.equal(fold_generate(model, ids, 16, max_new_tokens=5), ref)
-    assert outputs == ["last"] * 3 + ["logits"] * 4  # 3 chunks read, 4 tokens fed back
-    assert kv_fold(model, ids, 16, score=False).nll.shape == (1, 0)
+    # 3 chunks read (the first two without the output layer), 4 tokens fed back
+    assert outputs == ["hidden", "hidden", "last"] + ["logits"] * 4
+    read = kv_fold(model, ids, 16, score=False)
+    assert read.nll.shape == (1, 0)
+    torch.testing.assert_close(read.last_logits, scored.last_logits, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])

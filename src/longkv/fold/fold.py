@@ -233,7 +233,8 @@ def score_chunks(
 
     The logit before chunk token j is the last logit of the previous chunk (j = 0, no prefix)
     or the one at position P - 1 + j of this chunk's forward (`chunk_nll`). score=False: a read
-    to decode from, whose forwards make their last position's logits alone (nll is empty).
+    to decode from (nll is empty), whose forwards make no logits but the last chunk's last
+    position's (the output layer, a vocabulary wide, runs once per read, not once per chunk).
     """
     B, T = input_ids.shape
     prefix = input_ids.new_zeros(0) if prefix_ids is None else prefix_ids.to(input_ids.device)
@@ -249,15 +250,16 @@ def score_chunks(
             chunk = input_ids[:, t * chunk_size : (t + 1) * chunk_size]
             L = chunk.shape[1]
             ids = torch.cat([prefix.view(1, P).expand(B, P), chunk], dim=1)
-            hidden = score and P + L > LOGIT_ROWS
+            logits = score or return_logits or t == n_chunks - 1  # a read: its last chunk's
+            hidden = (score and P + L > LOGIT_ROWS) or not logits
             output = "hidden" if hidden else "logits" if score or return_logits else "last"
             out = runner.forward(ids, output)
             if score:
                 scored.append(chunk_nll(runner.model, out, hidden, chunk, P, last))
             if return_logits:
                 kept.append((compat.head(runner.model, out) if hidden else out)[:, P:])
-            # not a view: the chunk's logits can go
-            last = (compat.head(runner.model, out[:, -1:]) if hidden else out)[:, -1].clone()
+            if logits:  # not a view: the chunk's logits can go
+                last = (compat.head(runner.model, out[:, -1:]) if hidden else out)[:, -1].clone()
             if input_ids.device.type == "cuda":
                 torch.cuda.synchronize(input_ids.device)
             seconds.append(time.perf_counter() - t0)
