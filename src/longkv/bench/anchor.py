@@ -24,6 +24,7 @@ from typing import Any
 
 from longkv.checks import require, require_at_least, require_known, setting
 from longkv.data.corpus import text_tokens
+from longkv.document.read import PACKED_METHODS
 from longkv.models.pretrained import (
     PACKAGED,
     causal_lm_config,
@@ -35,10 +36,20 @@ from longkv.results import OUT_DIR, OUT_DIR_HELP, load_partial, save_partial
 
 LLAMA_CPP = "llama.cpp"
 # longkv's full and fold reads may keep their cache packed in a dtype (`ReadSettings.cache_dtype`)
-PACKED = tuple(f"{m}/{d}" for m in ("full", "fold") for d in ("fp32", "fp16", "bf16"))
+PACKED = tuple(f"{m}/{d}" for m in PACKED_METHODS for d in ("fp32", "fp16", "bf16"))
 READERS = ("full", "fold", "streaming", "two-level", *PACKED)
 INT8 = "+int8"  # a longkv reader's weights in int8 (`load_model`'s weights)
 METHODS = (LLAMA_CPP, *READERS, *(r + INT8 for r in READERS))
+
+
+def reader_parts(name: str) -> tuple[str, str, bool]:
+    """A longkv reader's (method, cache dtype or "", int8 weights): fold/fp16+int8 ->
+    ("fold", "fp16", True)."""
+    reader, plus, _ = name.partition("+")
+    method, _, dtype = reader.partition("/")
+    return method, dtype, bool(plus)
+
+
 WORKERS = {LLAMA_CPP: "longkv.bench.anchor_llamacpp"}  # the rest: anchor_longkv
 LONGKV_WORKER = "longkv.bench.anchor_longkv"
 INSTALL = "pip install 'longkv[anchor]'"

@@ -25,6 +25,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     stages = {"start": resident()}
     import torch
 
+    from longkv.bench.anchor import reader_parts
     from longkv.bench.memory import load_weights
     from longkv.caches.methods import BoundedOptions
     from longkv.document.read import read
@@ -33,13 +34,12 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
     torch.set_num_threads(spec["threads"])
     stages["imports"] = resident()
-    reader, int8, _ = spec["method"].partition("+")  # fold/fp16+int8: int8 weights
+    method, dtype, int8 = reader_parts(spec["method"])  # fold/fp16+int8: packed, int8 weights
     weights = "int8" if int8 else "fp32"
     model, tokenizer = load_pretrained(spec["model"], torch.float32, "cpu", None, weights)
     load_weights(model)
     stages["loaded"] = resident()
     ids: list[int] = spec["ids"]
-    method, _, dtype = reader.partition("/")  # fold/fp16: the fold's cache packed
     config = None  # two-level reads with its default (TWO_LEVEL), 2048 entries
     if method == "streaming":
         options = BoundedOptions(budgets=(spec["budget"],))

@@ -7,7 +7,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from longkv.bench.anchor import INT8, LLAMA_CPP, AnchorSettings, run_key
+from longkv.bench.anchor import LLAMA_CPP, AnchorSettings, reader_parts, run_key
 from longkv.results import finish_figure, markdown_table, pyplot, write_report
 
 MIB = 2**20
@@ -121,11 +121,6 @@ def breakdown_rows(parts: dict[str, Any], n: int, methods: list[str]) -> list[li
     return rows
 
 
-def is_fold(method: str) -> bool:
-    """Whether a reader is the fold (its cache packed or not, its weights int8 or not)."""
-    return method.split("/")[0].removesuffix(INT8) == "fold"
-
-
 def verdicts(parts: dict[str, Any], n: int, methods: list[str]) -> list[str]:
     """Each fold reader against TARGETS at n ids, where it and llama.cpp ran, and its NLL of
     the last ids against the float32 fold's (within NLL_TOLERANCE)."""
@@ -134,7 +129,7 @@ def verdicts(parts: dict[str, Any], n: int, methods: list[str]) -> list[str]:
         return []
     a, base = medians(anchored), parts.get(run_key(n, "fold", 0), {}).get("nll")
     lines = []
-    for method in filter(is_fold, methods):
+    for method in (m for m in methods if reader_parts(m)[0] == "fold"):
         runs = runs_of(parts, n, method)
         if not runs:
             continue

@@ -32,6 +32,7 @@ from longkv.document.read import (
     LONG_METHOD,
     LONG_OPTIONS,
     METHODS,
+    PACKED_METHODS,
     Answer,
     Document,
     ReadSettings,
@@ -193,7 +194,6 @@ class DocumentOptions(BoundedOptions):
 
 
 # the options only some methods read: (fnmatch patterns of their fields, those methods)
-PACKED_METHODS = ("full", "fold")  # the reads a cache dtype packs (`ReadSettings.cache_dtype`)
 METHOD_OPTIONS: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
     (("chunk_size",), ("fold",)),
     (("cache_dtype",), PACKED_METHODS),

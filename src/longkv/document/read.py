@@ -55,6 +55,7 @@ from longkv.fold.generate import fold_generate
 # "auto" as the document's length asks (`auto_method`)
 AUTO = "auto"
 METHODS = (*CACHE_METHODS, "two-level", AUTO)
+PACKED_METHODS = ("full", "fold")  # the reads a cache dtype packs (`ReadSettings.cache_dtype`)
 # `auto` past the model's trained positions: this bounded method, with these options over
 # BoundedOptions' defaults (InfLLM@1024, its window at its cache index, so that no distance
 # passes the budget): of the bounded methods measured past SmolLM2's 8K positions
@@ -93,7 +94,7 @@ class ReadSettings:
             f"must be None or one of {sorted(DTYPES)}, got {self.cache_dtype!r}",
         )  # fmt: skip
         require(
-            self.cache_dtype is None or self.config is None, self, "cache_dtype",
+            self.cache_dtype is None or self.method in PACKED_METHODS, self, "cache_dtype",
             f"{self.label} keeps its own entries; a cache dtype is for full and fold reads",
         )  # fmt: skip
         require(
