@@ -39,8 +39,6 @@ def test_grouped_sdpa_folds_as_transformers_sdpa_without_repeating_kv_heads(
     got = kv_fold(model, ids, 16)
     torch.testing.assert_close(got.nll, want.nll, rtol=0, atol=1e-10)
     torch.testing.assert_close(got.last_logits, want.last_logits, rtol=0, atol=1e-10)
-    use_gqa_sdpa(model)  # already grouped: kept
-    assert model.config._attn_implementation == NAME
     with pytest.raises(AssertionError, match="repeat_kv"):  # the refusal bites on the plain path
         model.set_attn_implementation(PLAIN)
         kv_fold(model, ids, 16)

@@ -6,8 +6,8 @@ an attention mask is given, which a fold's every chunk after the first has: a ch
 attend to a cache longer than themselves. On the CPU, torch's SDPA takes the mask and the
 grouped heads together (`enable_gqa=True`) without that copy. `gqa_sdpa_attention` does so
 there, under the masks transformers makes for SDPA, and leaves every other case to
-transformers' function; `use_gqa_sdpa(model)` makes it a
-loaded model's attention (`load_model` does, for the models it loads with SDPA).
+transformers' function; `use_gqa_sdpa(model)` makes it a loaded model's attention
+(`load_model` does, for the models it loads with SDPA).
 """
 
 from __future__ import annotations
